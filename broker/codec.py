@@ -1,0 +1,264 @@
+"""Wire format of events on a stream: envelopes to stream-entry fields and back, nothing else.
+
+One stream entry carries a batch of consecutive events from one engine, so a busy engine makes
+few, large XADDs. An entry has three binary-safe fields:
+
+* ``v``: format version (``b"1"``);
+* ``h``: orjson ``[engine_id, epoch, first_seq, records]``, a record per event:
+  ``[kind, ts, *fields]``; a BlockStored record is ``["bs", ts, parent, hashes, lengths]``;
+* ``b``: the raw bytes of every stored block in the entry, concatenated in record order, so
+  block contents round-trip exactly whatever bytes they hold (not only UTF-8).
+
+Sequence numbers in an entry are ``first_seq, first_seq + 1, ...``. Decoding checks every field and
+raises :class:`CodecError` with a message naming what was wrong; it never returns a half-decoded
+batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import orjson
+
+from broker.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    EventError,
+    FirstToken,
+    LoadHeartbeat,
+    RequestEnqueued,
+    RequestFinished,
+    RequestPreempted,
+    RequestRejected,
+    RequestStarted,
+    Snapshot,
+)
+
+VERSION = b"1"
+MAX_BLOB = 64 << 20  # one entry never carries more than 64 MiB of block bytes
+
+
+class CodecError(ValueError):
+    """A stream entry or snapshot that cannot be decoded; the message says why."""
+
+
+def _record(env: Envelope, blob: list[bytes]) -> list:
+    ev = env.event
+    kind = ev.KIND
+    if kind == "bs":
+        blob.extend(ev.blocks)
+        return [kind, env.ts, ev.parent_hash, list(ev.hashes), [len(b) for b in ev.blocks]]
+    if kind == "br":
+        return [kind, env.ts, list(ev.hashes)]
+    if kind == "ac":
+        return [kind, env.ts]
+    if kind == "rq":
+        return [
+            kind,
+            env.ts,
+            ev.request_id,
+            ev.key_bytes,
+            ev.cached_bytes,
+            ev.input_tokens,
+            ev.max_tokens,
+            ev.ttft_slo_ms,
+            ev.tpot_slo_ms,
+        ]
+    if kind in ("st", "pe"):
+        return [kind, env.ts, ev.request_id]
+    if kind == "ft":
+        return [kind, env.ts, ev.request_id, ev.ttft_ms]
+    if kind == "fi":
+        return [kind, env.ts, ev.request_id, ev.output_tokens, ev.ttft_ms, ev.tpot_ms]
+    if kind == "rj":
+        return [kind, env.ts, ev.request_id, ev.reason]
+    if kind == "hb":
+        return [
+            kind,
+            env.ts,
+            ev.waiting,
+            ev.running,
+            ev.queued_prefill_tokens,
+            ev.kv_blocks_used,
+            ev.kv_blocks_total,
+            ev.vbs,
+            ev.profile,
+            ev.url,
+            list(ev.models),
+        ]
+    raise CodecError(f"cannot encode event kind {kind!r}")
+
+
+def encode_batch(envelopes: Sequence[Envelope]) -> dict[bytes, bytes]:
+    """Encode consecutive envelopes of one engine and epoch as the fields of one stream entry."""
+    if not envelopes:
+        raise CodecError("empty batch")
+    first = envelopes[0]
+    blob: list[bytes] = []
+    records = []
+    for i, env in enumerate(envelopes):
+        if env.engine_id != first.engine_id or env.epoch != first.epoch:
+            raise CodecError("a batch holds events of one engine and epoch")
+        if env.seq != first.seq + i:
+            raise CodecError(f"batch seq not consecutive at {env.seq} (expected {first.seq + i})")
+        records.append(_record(env, blob))
+    header = orjson.dumps([first.engine_id, first.epoch, first.seq, records])
+    return {b"v": VERSION, b"h": header, b"b": b"".join(blob)}
+
+
+def _field(fields: Mapping, name: bytes) -> bytes:
+    value = fields.get(name)
+    if value is None:
+        value = fields.get(name.decode())
+    if value is None:
+        raise CodecError(f"missing field {name.decode()!r}")
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes):
+        raise CodecError(f"field {name.decode()!r} is not bytes")
+    return value
+
+
+def _int_list(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise CodecError(f"{what} must be a list")
+    return tuple(value)
+
+
+def decode_batch(fields: Mapping) -> list[Envelope]:
+    """Decode one stream entry's fields (bytes or str keys) into envelopes, or raise CodecError."""
+    try:
+        if _field(fields, b"v") != VERSION:
+            raise CodecError(f"unknown format version {fields.get(b'v', fields.get('v'))!r}")
+        head = orjson.loads(_field(fields, b"h"))
+        blob = _field(fields, b"b")
+        if not isinstance(head, list) or len(head) != 4:
+            raise CodecError("header must be [engine_id, epoch, first_seq, records]")
+        engine_id, epoch, first_seq, records = head
+        if not isinstance(records, list) or not records:
+            raise CodecError("records must be a non-empty list")
+        if type(first_seq) is not int:
+            raise CodecError("first_seq must be an int")
+        out: list[Envelope] = []
+        offset = 0
+        for i, rec in enumerate(records):
+            if not isinstance(rec, list) or len(rec) < 2:
+                raise CodecError(f"record {i} must be a list [kind, ts, ...]")
+            kind, ts = rec[0], rec[1]
+            if isinstance(ts, int) and not isinstance(ts, bool):
+                ts = float(ts)
+            ev, offset = _decode_record(kind, rec, blob, offset)
+            out.append(Envelope(engine_id, epoch, first_seq + i, ts, ev))
+        if offset != len(blob):
+            raise CodecError(f"{len(blob) - offset} trailing blob bytes")
+        return out
+    except CodecError:
+        raise
+    except (EventError, orjson.JSONDecodeError, TypeError, ValueError, IndexError) as exc:
+        raise CodecError(str(exc) or type(exc).__name__) from exc
+
+
+def _arity(rec: list, n: int, kind: str) -> None:
+    if len(rec) != n:
+        raise CodecError(f"{kind} record needs {n} items, got {len(rec)}")
+
+
+def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
+    if kind == "bs":
+        _arity(rec, 5, "bs")
+        hashes = _int_list(rec[3], "hashes")
+        lengths = _int_list(rec[4], "lengths")
+        if len(lengths) != len(hashes):
+            raise CodecError("bs: one length per hash")
+        blocks = []
+        for n in lengths:
+            if type(n) is not int or n <= 0 or offset + n > len(blob):
+                raise CodecError(f"bs: block length {n!r} does not fit the blob")
+            blocks.append(blob[offset : offset + n])
+            offset += n
+        return BlockStored(rec[2], hashes, tuple(blocks)), offset
+    if kind == "br":
+        _arity(rec, 3, "br")
+        return BlockRemoved(_int_list(rec[2], "hashes")), offset
+    if kind == "ac":
+        _arity(rec, 2, "ac")
+        return AllCleared(), offset
+    if kind == "rq":
+        _arity(rec, 9, "rq")
+        return RequestEnqueued(*rec[2:]), offset
+    if kind == "st":
+        _arity(rec, 3, "st")
+        return RequestStarted(rec[2]), offset
+    if kind == "pe":
+        _arity(rec, 3, "pe")
+        return RequestPreempted(rec[2]), offset
+    if kind == "ft":
+        _arity(rec, 4, "ft")
+        return FirstToken(rec[2], rec[3]), offset
+    if kind == "fi":
+        _arity(rec, 6, "fi")
+        return RequestFinished(*rec[2:]), offset
+    if kind == "rj":
+        _arity(rec, 4, "rj")
+        return RequestRejected(rec[2], rec[3]), offset
+    if kind == "hb":
+        _arity(rec, 11, "hb")
+        models = rec[10]
+        if not isinstance(models, list):
+            raise CodecError("hb: models must be a list")
+        return LoadHeartbeat(*rec[2:10], tuple(models)), offset
+    raise CodecError(f"unknown event kind {kind!r}")
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def encode_snapshot(snap: Snapshot) -> bytes:
+    """Serialise a snapshot to one binary value (an 8-byte header length, header, block bytes)."""
+    blob: list[bytes] = []
+    chains = []
+    for bs in snap.blocks:
+        blob.extend(bs.blocks)
+        chains.append([bs.parent_hash, list(bs.hashes), [len(b) for b in bs.blocks]])
+    hb = None
+    if snap.heartbeat is not None:
+        env = Envelope(snap.engine_id, snap.epoch, 0, 0.0, snap.heartbeat)
+        hb = _record(env, [])[2:]
+    header = orjson.dumps([1, snap.engine_id, snap.epoch, snap.seq, snap.stream_id, chains, hb])
+    return len(header).to_bytes(8, "big") + header + b"".join(blob)
+
+
+def decode_snapshot(data: bytes) -> Snapshot:
+    """Inverse of :func:`encode_snapshot`; raises CodecError on anything malformed."""
+    try:
+        if not isinstance(data, bytes) or len(data) < 8:
+            raise CodecError("snapshot too short")
+        n = int.from_bytes(data[:8], "big")
+        if n > len(data) - 8:
+            raise CodecError("snapshot header length out of range")
+        head = orjson.loads(data[8 : 8 + n])
+        blob = data[8 + n :]
+        if not isinstance(head, list) or len(head) != 7 or head[0] != 1:
+            raise CodecError("snapshot header must be [1, engine, epoch, seq, id, chains, hb]")
+        _, engine_id, epoch, seq, stream_id, chains, hb = head
+        if not isinstance(chains, list):
+            raise CodecError("snapshot chains must be a list")
+        blocks = []
+        offset = 0
+        for chain in chains:
+            if not isinstance(chain, list) or len(chain) != 3:
+                raise CodecError("snapshot chain must be [parent, hashes, lengths]")
+            bs, offset = _decode_record("bs", ["bs", 0.0, *chain], blob, offset)
+            blocks.append(bs)
+        if offset != len(blob):
+            raise CodecError("trailing snapshot bytes")
+        heartbeat = None
+        if hb is not None:
+            heartbeat, _ = _decode_record("hb", ["hb", 0.0, *hb], b"", 0)
+        return Snapshot(engine_id, epoch, seq, stream_id, tuple(blocks), heartbeat)
+    except CodecError:
+        raise
+    except (EventError, orjson.JSONDecodeError, TypeError, ValueError, IndexError) as exc:
+        raise CodecError(str(exc) or type(exc).__name__) from exc

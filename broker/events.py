@@ -1,0 +1,319 @@
+"""Every event kvgate's engines publish, in one place.
+
+An engine (through ``engine_reporter``) publishes :class:`Envelope` objects: a header (engine id,
+epoch, sequence number, engine wall time) around one payload event. Payloads are frozen, slotted
+dataclasses that validate themselves when built, so a bad value is rejected where it is made, not
+deep inside the router. The wire format lives in :mod:`broker.codec`; this module does no I/O.
+
+Contract (DESIGN.md section 2):
+
+* one stream per engine; ``seq`` increases by one per event within an ``epoch``; a new epoch
+  starts on every engine start;
+* a gap in ``seq``, a new epoch, or :class:`AllCleared` makes the router rebuild the engine;
+* a stored block is announced as the bytes it covers, chained to its parent:
+  ``hash = H(parent_hash, block_bytes)`` (see :mod:`engine_reporter.hashing`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+U64_MAX = (1 << 64) - 1
+
+
+class EventError(ValueError):
+    """An event (or a field of one) that breaks the contract."""
+
+
+def _check_u64(name: str, value: object) -> None:
+    if type(value) is not int or not 0 <= value <= U64_MAX:
+        raise EventError(f"{name} must be an unsigned 64-bit int, got {value!r}")
+
+
+def _check_count(name: str, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise EventError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def _check_text(name: str, value: object, *, max_len: int = 256) -> None:
+    if not isinstance(value, str) or not value or len(value) > max_len:
+        raise EventError(f"{name} must be a non-empty string of at most {max_len} chars")
+
+
+def _check_ms(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise EventError(f"{name} must be a finite non-negative number, got {value!r}")
+
+
+# --------------------------------------------------------------------------- KV cache events
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A chain of newly cached blocks: ``blocks[i]`` hashes to ``hashes[i]``.
+
+    ``parent_hash`` is the block before ``blocks[0]`` (None at the start of a prompt); each later
+    block's parent is the one before it. Only newly stored blocks are announced.
+    """
+
+    KIND: ClassVar[str] = "bs"
+    parent_hash: int | None
+    hashes: tuple[int, ...]
+    blocks: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if self.parent_hash is not None:
+            _check_u64("parent_hash", self.parent_hash)
+        if not isinstance(self.hashes, tuple) or not isinstance(self.blocks, tuple):
+            raise EventError("hashes and blocks must be tuples")
+        if not self.hashes or len(self.hashes) != len(self.blocks):
+            raise EventError(
+                f"need one block per hash, got {len(self.hashes)} hashes, {len(self.blocks)} blocks"
+            )
+        for h in self.hashes:
+            _check_u64("hash", h)
+        for b in self.blocks:
+            if not isinstance(b, bytes) or not b:
+                raise EventError("each block must be non-empty bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks the engine evicted (by hash). Unknown hashes are ignored by receivers."""
+
+    KIND: ClassVar[str] = "br"
+    hashes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hashes, tuple) or not self.hashes:
+            raise EventError("hashes must be a non-empty tuple")
+        for h in self.hashes:
+            _check_u64("hash", h)
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The engine dropped its whole cache (reset, restart): receivers forget all its blocks."""
+
+    KIND: ClassVar[str] = "ac"
+
+
+# --------------------------------------------------------------------------- request lifecycle
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnqueued:
+    """A request reached the engine's waiting queue.
+
+    ``key_bytes`` is the routing key's length, ``cached_bytes`` how much of it the engine's prefix
+    cache held on arrival; SLOs in milliseconds (None: the engine's default applies).
+    """
+
+    KIND: ClassVar[str] = "rq"
+    request_id: str
+    key_bytes: int
+    cached_bytes: int
+    input_tokens: int
+    max_tokens: int
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_text("request_id", self.request_id)
+        for name in ("key_bytes", "cached_bytes", "input_tokens", "max_tokens"):
+            _check_count(name, getattr(self, name))
+        if self.cached_bytes > self.key_bytes:
+            raise EventError("cached_bytes cannot exceed key_bytes")
+        _check_ms("ttft_slo_ms", self.ttft_slo_ms, optional=True)
+        _check_ms("tpot_slo_ms", self.tpot_slo_ms, optional=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted:
+    """The request's prefill began (it left the waiting queue)."""
+
+    KIND: ClassVar[str] = "st"
+    request_id: str
+
+    def __post_init__(self) -> None:
+        _check_text("request_id", self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """The request produced its first output token ``ttft_ms`` after arrival."""
+
+    KIND: ClassVar[str] = "ft"
+    request_id: str
+    ttft_ms: float
+
+    def __post_init__(self) -> None:
+        _check_text("request_id", self.request_id)
+        _check_ms("ttft_ms", self.ttft_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """The request completed; ``tpot_ms`` is its mean time per output token after the first."""
+
+    KIND: ClassVar[str] = "fi"
+    request_id: str
+    output_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        _check_text("request_id", self.request_id)
+        _check_count("output_tokens", self.output_tokens)
+        _check_ms("ttft_ms", self.ttft_ms)
+        _check_ms("tpot_ms", self.tpot_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRejected:
+    """The engine refused the request (e.g. its SLO cannot be met); ``reason`` says why."""
+
+    KIND: ClassVar[str] = "rj"
+    request_id: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_text("request_id", self.request_id)
+        _check_text("reason", self.reason, max_len=1024)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPreempted:
+    """A running request was paused (prefill preemption or decode eviction); it resumes later."""
+
+    KIND: ClassVar[str] = "pe"
+    request_id: str
+
+    def __post_init__(self) -> None:
+        _check_text("request_id", self.request_id)
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True, slots=True)
+class LoadHeartbeat:
+    """The engine's load, sent periodically; also how routers learn an engine's address.
+
+    ``vbs`` is SCORPIO's virtual batch size (sum of TRP over running requests), ``profile`` the
+    name of the engine's cost profile (:mod:`kvgate.cost_model`), ``url`` its OpenAI base URL.
+    """
+
+    KIND: ClassVar[str] = "hb"
+    waiting: int
+    running: int
+    queued_prefill_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    vbs: float
+    profile: str
+    url: str
+    models: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        for name in (
+            "waiting",
+            "running",
+            "queued_prefill_tokens",
+            "kv_blocks_used",
+            "kv_blocks_total",
+        ):
+            _check_count(name, getattr(self, name))
+        _check_ms("vbs", self.vbs)
+        _check_text("profile", self.profile)
+        _check_text("url", self.url, max_len=2048)
+        if not isinstance(self.models, tuple):
+            raise EventError("models must be a tuple")
+        for m in self.models:
+            _check_text("model", m)
+
+
+Event = (
+    BlockStored
+    | BlockRemoved
+    | AllCleared
+    | RequestEnqueued
+    | RequestStarted
+    | FirstToken
+    | RequestFinished
+    | RequestRejected
+    | RequestPreempted
+    | LoadHeartbeat
+)
+
+EVENT_TYPES: tuple[type, ...] = (
+    BlockStored,
+    BlockRemoved,
+    AllCleared,
+    RequestEnqueued,
+    RequestStarted,
+    FirstToken,
+    RequestFinished,
+    RequestRejected,
+    RequestPreempted,
+    LoadHeartbeat,
+)
+KV_EVENT_TYPES: tuple[type, ...] = (BlockStored, BlockRemoved, AllCleared)
+BY_KIND: dict[str, type] = {t.KIND: t for t in EVENT_TYPES}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One published event with its header: who sent it, in which epoch, in what order."""
+
+    engine_id: str
+    epoch: str
+    seq: int
+    ts: float
+    event: Event
+
+    def __post_init__(self) -> None:
+        _check_text("engine_id", self.engine_id)
+        _check_text("epoch", self.epoch, max_len=64)
+        _check_count("seq", self.seq)
+        _check_ms("ts", self.ts)
+        if type(self.event) not in BY_KIND.values():
+            raise EventError(f"not an event: {type(self.event).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An engine's complete cache state, valid as of stream entry ``stream_id``.
+
+    ``seq`` is the last sequence number folded in, so a reader replays entries after
+    ``stream_id`` and expects ``seq + 1`` next. ``blocks`` are stored chains in parent-first order;
+    applying them to an empty view rebuilds the engine's cache exactly.
+    """
+
+    engine_id: str
+    epoch: str
+    seq: int
+    stream_id: str
+    blocks: tuple[BlockStored, ...]
+    heartbeat: LoadHeartbeat | None = None
+
+    def __post_init__(self) -> None:
+        _check_text("engine_id", self.engine_id)
+        _check_text("epoch", self.epoch, max_len=64)
+        if type(self.seq) is not int or self.seq < -1:
+            raise EventError("seq must be an int >= -1")
+        if not isinstance(self.stream_id, str):
+            raise EventError("stream_id must be a string")
+        if not isinstance(self.blocks, tuple) or not all(
+            isinstance(b, BlockStored) for b in self.blocks
+        ):
+            raise EventError("blocks must be a tuple of BlockStored")

@@ -1,0 +1,236 @@
+"""The one cost model: how long an engine takes to prefill and decode, and how tokens map to bytes.
+
+Used alike by the router (Preble's P and L terms), kvgate's simulated engine (how long to sleep)
+and the simulator. Profiles are data: JSON files in ``kvgate/profiles/``, one per engine type,
+fit from measurements (``kvgate engine fit-profile``).
+
+Prefill time for ``n`` new tokens after ``c`` cached tokens of context, in ms (Preble's shape)::
+
+    base(n)  = polynomial of the first segment whose min_tokens <= n
+    attn(n,c) = a_n n + a_c c + a_nc n c      when n c > attn_threshold, else 0
+    prefill(n, c) = (base(n) + attn(n, c)) / efficiency
+
+Default profile (Preble, Mistral-7B on A6000): segments ``n >= 384: 0.10842571 n + 4.2098``,
+``192 <= n < 384: -118 + 1.25 n - 2.56e-3 n^2``, else 22; attention term
+``1.13e-3 n + 1.75e-3 c + 2.19e-6 n c`` when ``n c > 1024^2``; efficiency 0.9.
+
+Decode step time for a batch of ``B`` requests with mean context ``L`` tokens, in ms (SCORPIO's
+``EstTPOT``)::
+
+    decode_step(B, L) = a B L + b B + c L + d
+
+The default decode fit is derived from memory traffic, not measured here: Mistral-7B in fp16 reads
+~14.5 GB of weights per step on an A6000 (768 GB/s): d = 19 ms; its KV cache is 128 KiB per token
+(32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes): a = 1.7e-4 ms per token of context per
+request; b = 0.08 ms of per-sequence work; c = 0. Replace it with a fit from a real engine.
+
+Token rule (shared with the router): a request's token count is ``ceil(len(key_bytes) /
+bytes_per_token)``, at least 1; kvgate's engine caches blocks of ``block_tokens`` tokens, i.e.
+``block_bytes = block_tokens x bytes_per_token`` bytes of the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import orjson
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = "mistral-7b-a6000"
+
+
+class ProfileError(ValueError):
+    """A cost profile that is missing or malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    """``sum(coef[i] * n**i)`` ms for ``n >= min_tokens`` (until the next segment's minimum)."""
+
+    min_tokens: int
+    coef: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """How fast one type of engine is (see the module docstring for the formulas)."""
+
+    name: str
+    segments: tuple[PrefillSegment, ...]  # sorted by min_tokens, descending
+    attn_threshold: float = 1024.0**2
+    attn_n: float = 1.13e-3
+    attn_c: float = 1.75e-3
+    attn_nc: float = 2.19e-6
+    efficiency: float = 0.9
+    decode_a: float = 1.7e-4
+    decode_b: float = 0.08
+    decode_c: float = 0.0
+    decode_d: float = 19.0
+    kv_blocks: int = 14_000
+    block_tokens: int = 16
+    bytes_per_token: int = 4
+    max_batch_tokens: int = 4096
+    max_running: int = 256
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ProfileError("profile needs a name")
+        if not self.segments:
+            raise ProfileError(f"{self.name}: at least one prefill segment")
+        if sorted(self.segments, key=lambda s: -s.min_tokens) != list(self.segments):
+            raise ProfileError(f"{self.name}: segments must be sorted by min_tokens, descending")
+        if self.segments[-1].min_tokens != 0:
+            raise ProfileError(f"{self.name}: the last segment must start at 0 tokens")
+        for value, what in (
+            (self.efficiency, "efficiency"),
+            (self.kv_blocks, "kv_blocks"),
+            (self.block_tokens, "block_tokens"),
+            (self.bytes_per_token, "bytes_per_token"),
+            (self.max_batch_tokens, "max_batch_tokens"),
+            (self.max_running, "max_running"),
+        ):
+            if not value > 0:
+                raise ProfileError(f"{self.name}: {what} must be positive")
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill_ms(self, new_tokens: float, context_tokens: float = 0.0) -> float:
+        """Time to prefill ``new_tokens`` after ``context_tokens`` already cached, in ms."""
+        n = max(float(new_tokens), 0.0)
+        if n <= 0:
+            return 0.0
+        c = max(float(context_tokens), 0.0)
+        base = 0.0
+        for seg in self.segments:
+            if n >= seg.min_tokens:
+                p = 1.0
+                for k in seg.coef:
+                    base += k * p
+                    p *= n
+                break
+        if n * c > self.attn_threshold:
+            base += self.attn_n * n + self.attn_c * c + self.attn_nc * n * c
+        return max(base, 0.0) / self.efficiency
+
+    # ------------------------------------------------------------------ decode
+
+    def decode_step_ms(self, batch: float, mean_context: float) -> float:
+        """One decode step for ``batch`` requests of mean context ``mean_context`` tokens, in ms."""
+        if batch <= 0:
+            return 0.0
+        return (
+            self.decode_a * batch * mean_context
+            + self.decode_b * batch
+            + self.decode_c * mean_context
+            + self.decode_d
+        )
+
+    # ------------------------------------------------------------------ token rule
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of routing key covered by one KV block of kvgate's engine."""
+        return self.block_tokens * self.bytes_per_token
+
+    def tokens_for_bytes(self, n_bytes: int) -> int:
+        """The documented token rule: ceil(bytes / bytes_per_token), at least 1 for a request."""
+        return max(1, -(-int(n_bytes) // self.bytes_per_token))
+
+    def cached_tokens_for_bytes(self, n_bytes: int) -> int:
+        """Tokens covered by ``n_bytes`` of cached prefix (0 when nothing is cached)."""
+        return int(n_bytes) // self.bytes_per_token
+
+    # ------------------------------------------------------------------ data
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "prefill": {
+                "segments": [
+                    {"min_tokens": s.min_tokens, "coef": list(s.coef)} for s in self.segments
+                ],
+                "attn": {
+                    "threshold": self.attn_threshold,
+                    "n": self.attn_n,
+                    "c": self.attn_c,
+                    "nc": self.attn_nc,
+                },
+                "efficiency": self.efficiency,
+            },
+            "decode": {
+                "a": self.decode_a,
+                "b": self.decode_b,
+                "c": self.decode_c,
+                "d": self.decode_d,
+            },
+            "kv_blocks": self.kv_blocks,
+            "block_tokens": self.block_tokens,
+            "bytes_per_token": self.bytes_per_token,
+            "max_batch_tokens": self.max_batch_tokens,
+            "max_running": self.max_running,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostProfile:
+        """Build from the JSON shape of :meth:`to_dict`; raises ProfileError with the reason."""
+        try:
+            pre = data["prefill"]
+            attn = pre.get("attn", {})
+            dec = data["decode"]
+            segments = tuple(
+                PrefillSegment(int(s["min_tokens"]), tuple(float(c) for c in s["coef"]))
+                for s in pre["segments"]
+            )
+            return cls(
+                name=str(data["name"]),
+                description=str(data.get("description", "")),
+                segments=tuple(sorted(segments, key=lambda s: -s.min_tokens)),
+                attn_threshold=float(attn.get("threshold", 1024.0**2)),
+                attn_n=float(attn.get("n", 0.0)),
+                attn_c=float(attn.get("c", 0.0)),
+                attn_nc=float(attn.get("nc", 0.0)),
+                efficiency=float(pre.get("efficiency", 1.0)),
+                decode_a=float(dec["a"]),
+                decode_b=float(dec["b"]),
+                decode_c=float(dec["c"]),
+                decode_d=float(dec["d"]),
+                kv_blocks=int(data["kv_blocks"]),
+                block_tokens=int(data["block_tokens"]),
+                bytes_per_token=int(data.get("bytes_per_token", 4)),
+                max_batch_tokens=int(data.get("max_batch_tokens", 4096)),
+                max_running=int(data.get("max_running", 256)),
+            )
+        except ProfileError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"malformed profile: {exc!r}") from exc
+
+
+def load_profile(name_or_path: str) -> CostProfile:
+    """A profile by name (``kvgate/profiles/NAME.json``) or by path to a JSON file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    return _load_cached(str(path.resolve()))
+
+
+@cache
+def _load_cached(path: str) -> CostProfile:
+    try:
+        data = orjson.loads(Path(path).read_bytes())
+    except FileNotFoundError as exc:
+        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+        raise ProfileError(f"no profile {path} (built-in: {known})") from exc
+    except orjson.JSONDecodeError as exc:
+        raise ProfileError(f"{path}: invalid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProfileError(f"{path}: a profile is a JSON object")
+    return CostProfile.from_dict(data)
+
+
+def default_profile() -> CostProfile:
+    return load_profile(DEFAULT_PROFILE)

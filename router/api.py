@@ -1,0 +1,122 @@
+"""What a gateway asks the router and what it gets back; shared by the embedded and remote router.
+
+Pure data: no I/O here. ``router.service`` serves these over HTTP; ``router.client`` speaks to it;
+``router.core.Router`` answers them in-process. Fields may be added (with defaults); none renamed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from kvgate.slo import SLO_CLASSES, Slo
+
+Reason = Literal[
+    "exploit",  # E2: most of the key is cached; the least-loaded holder of the longest match
+    "explore",  # E2: cheapest by load + eviction + prefill-of-missed cost
+    "rebalance",  # E2: moved off an overloaded engine
+    "replicate",  # E2: hot prefix copied to the least-busy engine
+    "pd_balance",  # E2: prefill-heavy request sent to a decode-heavy engine
+    "cache_match",  # cache_aware: best match above the threshold
+    "least_load",  # least-loaded engine (baseline, or fallback)
+    "round_robin",
+    "power_of_two",
+    "affinity",  # session affinity (consistent hashing)
+    "shed",  # no engine can meet the SLO: the gateway answers 429
+]
+
+Outcome = Literal["ok", "failed", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request to place. ``key`` is the routing key (kvgate.openai_request)."""
+
+    request_id: str
+    model: str
+    key: bytes
+    input_tokens: int
+    max_tokens: int
+    slo: Slo = SLO_CLASSES["relaxed"]
+    session: str | None = None
+    exclude: frozenset[str] = frozenset()  # engines not to pick (failed on a retry, drained)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """How one engine scored for a request; cost terms in ms (Preble's L, M, P)."""
+
+    engine_id: str
+    matched_bytes: int
+    load_ms: float = 0.0
+    eviction_ms: float = 0.0
+    prefill_ms: float = 0.0
+    feasible: bool = True
+
+    @property
+    def total_ms(self) -> float:
+        return self.load_ms + self.eviction_ms + self.prefill_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, and why. ``engine_id`` is None only when ``reason == "shed"``."""
+
+    engine_id: str | None
+    url: str | None
+    reason: Reason
+    policy: str
+    matched_bytes: int = 0
+    candidates: tuple[Candidate, ...] = field(default=(), compare=False)
+    retry_after_s: float | None = None
+    detail: str = ""
+
+    @property
+    def shed(self) -> bool:
+        return self.engine_id is None
+
+    def header_value(self) -> str:
+        """Compact form for the ``x-kvgate-route`` response header."""
+        parts = [
+            f"policy={self.policy}",
+            f"reason={self.reason}",
+            f"engine={self.engine_id or '-'}",
+            f"matched={self.matched_bytes}",
+        ]
+        best = next((c for c in self.candidates if c.engine_id == self.engine_id), None)
+        if best is not None:
+            parts.append(
+                f"cost_ms={best.total_ms:.2f}(L={best.load_ms:.2f},M={best.eviction_ms:.2f},"
+                f"P={best.prefill_ms:.2f})"
+            )
+        return ";".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """An engine as the router knows it (from heartbeats, or from static configuration)."""
+
+    engine_id: str
+    url: str
+    models: tuple[str, ...]
+    alive: bool
+    draining: bool = False
+    profile: str = "mistral-7b-a6000"
+    static: bool = False  # configured by hand, not (only) known from the broker
+
+
+class RoutingService(Protocol):
+    """What the gateway needs from a router, embedded or remote."""
+
+    async def route(self, request: RouteRequest) -> Decision:
+        """Pick an engine (or shed) for ``request``, recording it as in flight there."""
+        ...
+
+    async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
+        """Tell the router how a routed request ended from the gateway's side (a failed
+        engine frees its in-flight work at once instead of waiting for a timeout)."""
+        ...
+
+    async def engines(self) -> list[EngineInfo]:
+        """Every engine the router knows, for ``/v1/models``, health checks and admin."""
+        ...

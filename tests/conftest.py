@@ -1,0 +1,36 @@
+"""Shared fixtures: a real Redis (found or started), private Redis servers, unique key prefixes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from redis_server import RedisProcess, shared_redis_url, unique_prefix
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a real Redis server; tests that use it never skip."""
+    url, proc = shared_redis_url()
+    yield url
+    if proc is not None:
+        proc.cleanup()
+
+
+@pytest.fixture
+def redis_prefix(request: pytest.FixtureRequest) -> str:
+    """A key prefix no other test (or earlier run) uses."""
+    return unique_prefix(request.node.name[:40])
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisProcess]:
+    """A redis-server of this test's own, which the test may stop and restart."""
+    proc = RedisProcess().start()
+    yield proc
+    proc.cleanup()

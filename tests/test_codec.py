@@ -1,0 +1,168 @@
+"""Round trips and rejections of the stream-entry and snapshot codecs."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.codec import CodecError, decode_batch, decode_snapshot, encode_batch, encode_snapshot
+from broker.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    EventError,
+    FirstToken,
+    LoadHeartbeat,
+    RequestEnqueued,
+    RequestFinished,
+    RequestPreempted,
+    RequestRejected,
+    RequestStarted,
+    Snapshot,
+)
+
+U64 = st.integers(0, 2**64 - 1)
+ID = st.text(min_size=1, max_size=20)
+MS = st.floats(0, 1e7, allow_nan=False)
+COUNT = st.integers(0, 10**9)
+
+block_stored = st.integers(1, 5).flatmap(
+    lambda n: st.builds(
+        BlockStored,
+        st.none() | U64,
+        st.lists(U64, min_size=n, max_size=n).map(tuple),
+        st.lists(st.binary(min_size=1, max_size=40), min_size=n, max_size=n).map(tuple),
+    )
+)
+heartbeat = st.builds(
+    LoadHeartbeat,
+    COUNT,
+    COUNT,
+    COUNT,
+    COUNT,
+    COUNT,
+    MS,
+    ID,
+    ID,
+    st.lists(ID, max_size=3).map(tuple),
+)
+enqueued = st.builds(
+    lambda rid, k, c, i, m, t1, t2: RequestEnqueued(rid, k + c, c, i, m, t1, t2),
+    ID,
+    COUNT,
+    COUNT,
+    COUNT,
+    COUNT,
+    st.none() | MS,
+    st.none() | MS,
+)
+events = st.one_of(
+    block_stored,
+    st.builds(BlockRemoved, st.lists(U64, min_size=1, max_size=5).map(tuple)),
+    st.just(AllCleared()),
+    enqueued,
+    st.builds(RequestStarted, ID),
+    st.builds(FirstToken, ID, MS),
+    st.builds(RequestFinished, ID, COUNT, MS, MS),
+    st.builds(RequestRejected, ID, ID),
+    st.builds(RequestPreempted, ID),
+    heartbeat,
+)
+
+
+@given(st.lists(events, min_size=1, max_size=20), ID, ID, st.integers(0, 10**12), MS)
+@settings(max_examples=200, deadline=None)
+def test_batch_round_trips_exactly(evs, engine, epoch, seq0, ts) -> None:
+    envs = [Envelope(engine, epoch, seq0 + i, ts, e) for i, e in enumerate(evs)]
+    fields = encode_batch(envs)
+    assert decode_batch(fields) == envs
+    # str keys, as some clients return them, decode the same
+    assert decode_batch({k.decode(): v for k, v in fields.items()}) == envs
+
+
+@given(st.dictionaries(st.binary(max_size=3), st.binary(max_size=60), max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_garbage_entries_are_rejected_not_crashing(fields) -> None:
+    try:
+        out = decode_batch(fields)
+    except CodecError:
+        return
+    assert all(isinstance(e, Envelope) for e in out)
+
+
+@given(st.lists(events, min_size=1, max_size=5), st.data())
+@settings(max_examples=200, deadline=None)
+def test_mutated_header_decodes_exactly_or_is_rejected(evs, data) -> None:
+    envs = [Envelope("e1", "ep", i, 1.0, e) for i, e in enumerate(evs)]
+    fields = encode_batch(envs)
+    head = bytearray(fields[b"h"])
+    pos = data.draw(st.integers(0, len(head) - 1))
+    head[pos] = data.draw(st.integers(0, 255))
+    try:
+        out = decode_batch({b"v": b"1", b"h": bytes(head), b"b": fields[b"b"]})
+    except CodecError:
+        return
+    # A mutation that still decodes must give valid, self-consistent envelopes.
+    assert decode_batch(encode_batch(out)) == out
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({}, "missing field"),
+        ({b"v": b"2", b"h": b"[]", b"b": b""}, "version"),
+        ({b"v": b"1", b"h": b"not json", b"b": b""}, "line 1"),
+        ({b"v": b"1", b"h": b'["e","p",0,[]]', b"b": b""}, "non-empty"),
+        ({b"v": b"1", b"h": b'["e","p",0,[["zz",1.0]]]', b"b": b""}, "unknown event kind"),
+        ({b"v": b"1", b"h": b'["e","p",0,[["bs",1.0,null,[1],[5]]]]', b"b": b"abc"}, "blob"),
+        ({b"v": b"1", b"h": b'["e","p",0,[["br",1.0,[-1]]]]', b"b": b""}, "unsigned"),
+        ({b"v": b"1", b"h": b'["e","p",0,[["ac",1.0]]]', b"b": b"x"}, "trailing"),
+        ({b"v": b"1", b"h": b'["","p",0,[["ac",1.0]]]', b"b": b""}, "engine_id"),
+    ],
+)
+def test_malformed_entries_name_the_problem(fields, why) -> None:
+    with pytest.raises(CodecError, match=why):
+        decode_batch(fields)
+
+
+def test_batch_must_be_consecutive_and_one_engine() -> None:
+    a = Envelope("e", "p", 0, 0.0, AllCleared())
+    with pytest.raises(CodecError, match="consecutive"):
+        encode_batch([a, Envelope("e", "p", 2, 0.0, AllCleared())])
+    with pytest.raises(CodecError, match="one engine"):
+        encode_batch([a, Envelope("f", "p", 1, 0.0, AllCleared())])
+
+
+def test_events_validate_on_construction() -> None:
+    with pytest.raises(EventError):
+        BlockStored(None, (1, 2), (b"a",))
+    with pytest.raises(EventError):
+        BlockStored(None, (True,), (b"a",))
+    with pytest.raises(EventError):
+        RequestEnqueued("r", 5, 6, 1, 1)
+    with pytest.raises(EventError):
+        FirstToken("r", float("nan"))
+
+
+@given(st.lists(block_stored, max_size=6), st.none() | heartbeat, st.integers(-1, 10**9))
+@settings(max_examples=100, deadline=None)
+def test_snapshot_round_trips(blocks, hb, seq) -> None:
+    snap = Snapshot("eng", "epoch", seq, "12-0", tuple(blocks), hb)
+    assert decode_snapshot(encode_snapshot(snap)) == snap
+
+
+@given(st.binary(max_size=100))
+def test_garbage_snapshot_rejected(data) -> None:
+    try:
+        decode_snapshot(data)
+    except CodecError:
+        pass
+
+
+def test_snapshot_header_length_checked() -> None:
+    head = orjson.dumps([1, "e", "p", 0, "0-0", [], None])
+    with pytest.raises(CodecError):
+        decode_snapshot((len(head) + 5).to_bytes(8, "big") + head)

@@ -1,0 +1,120 @@
+"""Block hashing, cost model, SLO parsing and routing-key derivation."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_reporter.hashing import ROOT, block_hash, chain_hashes, split_blocks
+from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
+from kvgate.openai_request import (
+    ChatTemplate,
+    RequestError,
+    canonical_chat_bytes,
+    parse_request,
+)
+from kvgate.slo import SLO_CLASSES, Slo
+
+
+def test_block_hash_is_stable_and_chained() -> None:
+    # Fixed values: a change of hash function breaks every stored snapshot, so it must be loud.
+    assert block_hash(None, b"hello") == block_hash(ROOT, b"hello")
+    assert block_hash(None, b"hello") == 0xD44590FB573E0397
+    a, b = chain_hashes(None, [b"ab", b"cd"])
+    assert a == block_hash(None, b"ab") and b == block_hash(a, b"cd")
+    assert block_hash(1, b"cd") != block_hash(2, b"cd")
+    assert list(split_blocks(b"abcdefg", 3)) == [b"abc", b"def"]
+
+
+def test_default_profile_matches_preble_equation() -> None:
+    p = default_profile()
+    assert p.prefill_ms(100) == pytest.approx(22 / 0.9)
+    assert p.prefill_ms(200) == pytest.approx((-118 + 1.25 * 200 - 2.56e-3 * 200**2) / 0.9)
+    n, c = 1000, 2000  # n c > 1024^2: attention term applies
+    expect = 0.10842571 * n + 4.2098 + 1.13e-3 * n + 1.75e-3 * c + 2.19e-6 * n * c
+    assert p.prefill_ms(n, c) == pytest.approx(expect / 0.9)
+    assert p.prefill_ms(1000, 0) == pytest.approx((0.10842571 * 1000 + 4.2098) / 0.9)
+    assert p.decode_step_ms(0, 100) == 0
+    assert p.decode_step_ms(2, 100) == pytest.approx(1.7e-4 * 200 + 0.16 + 19)
+    assert p.tokens_for_bytes(9) == 3 and p.tokens_for_bytes(0) == 1
+    assert p.block_bytes == 64
+
+
+def test_profile_round_trip_and_errors(tmp_path) -> None:
+    p = default_profile()
+    assert CostProfile.from_dict(p.to_dict()) == p
+    with pytest.raises(ProfileError, match="malformed"):
+        CostProfile.from_dict({"name": "x"})
+    with pytest.raises(ProfileError, match="no profile"):
+        load_profile("no-such-profile")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ProfileError, match="invalid JSON"):
+        load_profile(str(bad))
+
+
+def test_parse_chat_canonical_key_and_slo() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 7,
+        "slo": {"class": "chat"},
+    }
+    req = parse_request("chat", body, {"x-kvgate-tpot-ms": "40"})
+    assert req.key == b"<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert req.stream and req.include_usage and req.max_tokens == 7
+    assert req.slo == Slo(250.0, 40.0, "chat") and req.slo_stated
+
+
+def test_tools_are_a_shared_prefix() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    k1 = canonical_chat_bytes([{"role": "user", "content": "a"}], tools)
+    k2 = canonical_chat_bytes([{"role": "user", "content": "b"}], tools)
+    assert k1.startswith(b"<|tools|>\n") and k1[:40] == k2[:40]
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, headers, param",
+    [
+        ("chat", [], {}, None),
+        ("chat", {"messages": [{"role": "user", "content": "x"}]}, {}, "model"),
+        ("chat", {"model": "m", "messages": []}, {}, "messages"),
+        ("chat", {"model": "m", "messages": [{"content": "x"}]}, {}, "messages[0].role"),
+        ("completions", {"model": "m"}, {}, "prompt"),
+        ("completions", {"model": "m", "prompt": 5}, {}, "prompt"),
+        ("completions", {"model": "m", "prompt": "x", "max_tokens": -1}, {}, "max_tokens"),
+        ("completions", {"model": "m", "prompt": "x", "stream": "yes"}, {}, "stream"),
+        ("completions", {"model": "m", "prompt": "x"}, {"x-kvgate-ttft-ms": "abc"}, None),
+        ("completions", {"model": "m", "prompt": "x"}, {"x-kvgate-ttft-ms": "-5"}, None),
+        ("completions", {"model": "m", "prompt": "x", "slo": {"class": "nope"}}, {}, "slo.class"),
+        ("completions", {"model": "m", "prompt": "x", "kvgate": {"input_tokens": 0}}, {}, None),
+    ],
+)
+def test_bad_requests_raise_with_param(endpoint, body, headers, param) -> None:
+    with pytest.raises(RequestError) as exc:
+        parse_request(endpoint, body, headers)
+    assert exc.value.status == 400
+    if param is not None:
+        assert exc.value.param == param
+    assert exc.value.to_body()["error"]["message"]
+
+
+def test_chat_template_rendering() -> None:
+    tpl = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}",
+        bos_token="<s>",
+    )
+    req = parse_request(
+        "chat", {"model": "m", "messages": [{"role": "user", "content": "q"}]}, {}, template=tpl
+    )
+    assert req.key == b"<s>[user]q[assistant]"
+
+
+def test_slo_defaults_to_relaxed_class() -> None:
+    req = parse_request("completions", {"model": "m", "prompt": "x"}, {})
+    assert req.slo == SLO_CLASSES["relaxed"] and not req.slo_stated
