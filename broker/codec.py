@@ -21,9 +21,8 @@ from collections.abc import Mapping, Sequence
 import orjson
 
 from broker.events import (
+    U64_MAX,
     AllCleared,
-    BlockRemoved,
-    BlockStored,
     Envelope,
     EventError,
     FirstToken,
@@ -34,6 +33,10 @@ from broker.events import (
     RequestRejected,
     RequestStarted,
     Snapshot,
+    trusted_block_removed,
+    trusted_block_stored,
+    trusted_envelope,
+    u64_tuple,
 )
 
 VERSION = b"1"
@@ -121,10 +124,23 @@ def _field(fields: Mapping, name: bytes) -> bytes:
     return value
 
 
-def _int_list(value: object, what: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise CodecError(f"{what} must be a list")
-    return tuple(value)
+_CLEARED = AllCleared()
+_INF = float("inf")
+
+
+def _block_slices(blob: bytes, offset: int, lengths: object, count: int) -> tuple[bytes, ...]:
+    """Cut ``count`` blocks of the given lengths out of ``blob`` from ``offset``."""
+    if not isinstance(lengths, list) or len(lengths) != count:
+        raise CodecError("bs: one length per hash")
+    if set(map(type, lengths)) != {int} or min(lengths) <= 0:
+        raise CodecError(f"bs: block lengths must be positive ints, got {lengths!r}")
+    if offset + sum(lengths) > len(blob):
+        raise CodecError(f"bs: block lengths {lengths!r} do not fit the blob")
+    out = []
+    for n in lengths:
+        out.append(blob[offset : offset + n])
+        offset += n
+    return tuple(out)
 
 
 def decode_batch(fields: Mapping) -> list[Envelope]:
@@ -139,18 +155,22 @@ def decode_batch(fields: Mapping) -> list[Envelope]:
         engine_id, epoch, first_seq, records = head
         if not isinstance(records, list) or not records:
             raise CodecError("records must be a non-empty list")
-        if type(first_seq) is not int:
-            raise CodecError("first_seq must be an int")
+        # Validate the header once per entry, then build envelopes without re-checking it.
+        Envelope(engine_id, epoch, first_seq, 0.0, _CLEARED)
         out: list[Envelope] = []
         offset = 0
         for i, rec in enumerate(records):
             if not isinstance(rec, list) or len(rec) < 2:
                 raise CodecError(f"record {i} must be a list [kind, ts, ...]")
             kind, ts = rec[0], rec[1]
-            if isinstance(ts, int) and not isinstance(ts, bool):
+            if type(ts) is not float:
+                if type(ts) is not int or ts < 0:
+                    raise CodecError(f"record {i}: ts must be a non-negative number")
                 ts = float(ts)
+            elif not 0.0 <= ts < _INF:
+                raise CodecError(f"record {i}: ts must be a finite non-negative number")
             ev, offset = _decode_record(kind, rec, blob, offset)
-            out.append(Envelope(engine_id, epoch, first_seq + i, ts, ev))
+            out.append(trusted_envelope(engine_id, epoch, first_seq + i, ts, ev))
         if offset != len(blob):
             raise CodecError(f"{len(blob) - offset} trailing blob bytes")
         return out
@@ -168,20 +188,21 @@ def _arity(rec: list, n: int, kind: str) -> None:
 def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
     if kind == "bs":
         _arity(rec, 5, "bs")
-        hashes = _int_list(rec[3], "hashes")
-        lengths = _int_list(rec[4], "lengths")
-        if len(lengths) != len(hashes):
-            raise CodecError("bs: one length per hash")
-        blocks = []
-        for n in lengths:
-            if type(n) is not int or n <= 0 or offset + n > len(blob):
-                raise CodecError(f"bs: block length {n!r} does not fit the blob")
-            blocks.append(blob[offset : offset + n])
-            offset += n
-        return BlockStored(rec[2], hashes, tuple(blocks)), offset
+        parent = rec[2]
+        if parent is not None and (type(parent) is not int or not 0 <= parent <= U64_MAX):
+            raise CodecError(f"bs: parent_hash must be null or an unsigned 64-bit int: {parent!r}")
+        hashes = u64_tuple(rec[3], "bs: hashes")
+        if not hashes:
+            raise CodecError("bs: at least one block")
+        blocks = _block_slices(blob, offset, rec[4], len(hashes))
+        offset += sum(rec[4])
+        return trusted_block_stored(parent, hashes, blocks), offset
     if kind == "br":
         _arity(rec, 3, "br")
-        return BlockRemoved(_int_list(rec[2], "hashes")), offset
+        hashes = u64_tuple(rec[2], "br: hashes")
+        if not hashes:
+            raise CodecError("br: at least one hash")
+        return trusted_block_removed(hashes), offset
     if kind == "ac":
         _arity(rec, 2, "ac")
         return AllCleared(), offset

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The repository root, so that a test folder named like a package (tests/broker, tests/gateway)
+# is never mistaken for that package: a regular package on sys.path wins over such a folder.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from redis_server import RedisProcess, shared_redis_url, unique_prefix
 

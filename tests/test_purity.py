@@ -15,13 +15,24 @@ PURE_MODULES = [
     "broker/events.py",
     "broker/codec.py",
     "engine_reporter/hashing.py",
+    "engine_reporter/builder.py",
+    "broker/tracker.py",
     "kvgate/cost_model.py",
     "kvgate/slo.py",
     "kvgate/openai_request.py",
     "router/api.py",
+    "engine/core.py",
+    "engine/costs.py",
+    "engine/prefix_cache.py",
+    "engine/text.py",
+    "engine/fit.py",
+    "router/tree.py",
+    "router/cluster.py",
+    "router/core.py",
+    "router/wire.py",
 ]
 # Whole packages whose every module is pure.
-PURE_PACKAGES = ["router/policies"]
+PURE_PACKAGES = ["engine/scheduler", "router/policies"]
 
 
 def _imports(path: Path) -> set[str]:

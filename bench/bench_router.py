@@ -1,0 +1,243 @@
+"""Router benchmark: decision latency, block-event ingest rate, tree memory per cached byte.
+
+Run: ``.venv/bin/python -m bench.bench_router [--mb 100] [--quick]``; prints the figures and
+writes ``bench/results/router.json``.
+
+Workload (synthetic, random bytes so nothing compresses or shares by accident): ``--mb`` MB of
+unique cached text as documents of 16 KiB = a 4 KiB system prompt shared by a family of documents
++ a 12 KiB unique body, stored by their engines as chains of 64-byte blocks (kvgate's default
+block: 16 tokens x 4 bytes); each document cached on one engine, each system prompt on several.
+Decision latency is the whole ``Router.route`` call (match, E2 policy, recording the decision,
+rebalancing check), measured with ``perf_counter_ns`` over a mix of exploit keys (a cached
+document + a new question) and explore keys (new text after a system prompt), cut to each size.
+Memory is measured with tracemalloc (allocations made while the tree was built, divided by the
+unique cached bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import time
+import tracemalloc
+from pathlib import Path
+
+import orjson
+
+from broker.events import AllCleared, BlockStored, Envelope, LoadHeartbeat
+from engine_reporter.hashing import chain_hashes, split_blocks
+from kvgate.stats import percentile
+from router.api import RouteRequest
+from router.cluster import ClusterConfig
+from router.core import Router, RouterConfig
+from router.tree import RadixTree
+
+BLOCK = 64
+SYS_BYTES = 4096
+BODY_BYTES = 12288
+DOCS_PER_FAMILY = 40
+RESULTS = Path(__file__).with_name("results") / "router.json"
+
+
+def _heartbeat(router: Router, engine: str, now: float) -> None:
+    hb = LoadHeartbeat(0, 0, 0, 0, 1 << 30, 0.0, "mistral-7b-a6000", f"http://{engine}", ("m",))
+    router.apply(Envelope(engine, "ep", 0, now, hb), now)
+
+
+def build(
+    router: Router, engines: int, mb: float, rng: random.Random, now: float
+) -> tuple[list[bytes], int, float]:
+    """Cache ``mb`` MB of documents across ``engines``; returns the documents, the blocks applied
+    and the seconds spent applying them."""
+    for i in range(engines):
+        router.apply(Envelope(f"e{i}", "ep", 0, now, AllCleared()), now)
+        _heartbeat(router, f"e{i}", now)
+    n_docs = int(mb * 1e6 / BODY_BYTES)
+    docs: list[bytes] = []
+    events: list[Envelope] = []
+    families = [os.urandom(SYS_BYTES) for _ in range(max(n_docs // DOCS_PER_FAMILY, 1))]
+    for d in range(n_docs):
+        sys_prompt = families[d % len(families)]
+        doc = sys_prompt + os.urandom(BODY_BYTES)
+        docs.append(doc)
+        engine = f"e{rng.randrange(engines)}"
+        blocks = list(split_blocks(doc, BLOCK))
+        hashes = chain_hashes(None, blocks)
+        events.append(
+            Envelope(engine, "ep", 1, now, BlockStored(None, tuple(hashes), tuple(blocks)))
+        )
+    n_blocks = sum(len(e.event.hashes) for e in events)  # type: ignore[union-attr]
+    gc.collect()
+    t0 = time.perf_counter()
+    for env in events:
+        router.apply(env, now)
+    return docs, n_blocks, time.perf_counter() - t0
+
+
+def ingest_single_blocks(n: int) -> float:
+    """Blocks/s when every event carries one block (the worst case: one event per block)."""
+    tree = RadixTree()
+    blocks = [os.urandom(BLOCK) for _ in range(n)]
+    parents: list[int | None] = []
+    hashes: list[int] = []
+    parent: int | None = None
+    for i, b in enumerate(blocks):
+        if i % 256 == 0:
+            parent = None  # a new prompt every 256 blocks
+        parents.append(parent)
+        parent = chain_hashes(parent, [b])[0]
+        hashes.append(parent)
+    t0 = time.perf_counter()
+    for i in range(n):
+        tree.apply_stored(f"e{i % 64}" if parents[i] is None else f"e{(i // 256) % 64}",
+                          parents[i], (hashes[i],), (blocks[i],), 0.0)  # fmt: skip
+    return n / (time.perf_counter() - t0)
+
+
+def keys_for(docs: list[bytes], size: int, rng: random.Random, n: int) -> list[bytes]:
+    """Half exploit (a cached document, then a new question), half explore (new text after a
+    cached system prompt), cut to ``size`` bytes."""
+    out = []
+    for i in range(n):
+        doc = docs[rng.randrange(len(docs))]
+        if i % 2 == 0:
+            key = doc + os.urandom(max(size - len(doc), 64))
+        else:
+            key = doc[:SYS_BYTES] + os.urandom(max(size - SYS_BYTES, 64))
+        out.append(key[:size])
+    return out
+
+
+def latency(router: Router, keys: list[bytes], now: float, step: float = 0.002) -> dict:
+    for engine in list(router.cluster.engines):
+        _heartbeat(router, engine, now)
+    wall: list[float] = []
+    cpu: list[float] = []
+    matched = 0
+    reasons: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        req = RouteRequest(f"q{now}-{i}", "m", key, len(key) // 4, 64)
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        d = router.route(req, now + i * step)
+        t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        wall.append((t1 - t0) / 1000.0)
+        cpu.append((c1 - c0) / 1000.0)
+        matched += d.matched_bytes
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        router.report(req.request_id, d.engine_id or "", "ok", now + i * step)
+    return {
+        "cpu_p50_us": round(percentile(cpu, 0.5), 1),
+        "cpu_p99_us": round(percentile(cpu, 0.99), 1),
+        "wall_p50_us": round(percentile(wall, 0.5), 1),
+        "wall_p99_us": round(percentile(wall, 0.99), 1),
+        "n": len(wall),
+        "matched_share": round(matched / sum(len(k) for k in keys), 3),
+        "reasons": reasons,
+    }
+
+
+def match_latency(router: Router, keys: list[bytes]) -> dict:
+    tree = router.cluster.tree
+    samples = []
+    for key in keys:
+        t0 = time.perf_counter_ns()
+        tree.match(key)
+        samples.append((time.perf_counter_ns() - t0) / 1000.0)
+    return {
+        "p50_us": round(percentile(samples, 0.5), 1),
+        "p99_us": round(percentile(samples, 0.99), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=100.0, help="unique cached text in the big tree")
+    ap.add_argument("--engines", type=int, default=64)
+    ap.add_argument("--n", type=int, default=400, help="decisions per measurement")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.n = 5.0, 100
+    rng = random.Random(1)
+    result: dict = {"config": {"mb": args.mb, "engines": args.engines, "block_bytes": BLOCK}}
+
+    # 1. the big tree: ingest rate and memory (tracemalloc on, so ingest is timed separately)
+    cfg = RouterConfig("e2", {}, ClusterConfig(tree_budget_bytes=1 << 34))
+    router = Router(cfg, random.Random(0))
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    docs, n_blocks, _ = build(router, args.engines, args.mb, rng, 0.0)
+    traced = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    st = router.cluster.tree.stats()
+    # docs are the router's input, not its state: subtract their (traced) size
+    doc_bytes = sum(len(d) + 33 for d in docs)
+    unique = st.bytes
+    result["tree"] = {
+        "unique_cached_bytes": unique,
+        "nodes": st.nodes,
+        "index_entries": st.index_entries,
+        "index_bytes": st.index_bytes,
+        "traced_bytes": traced - doc_bytes,
+        "bytes_per_cached_byte": round((traced - doc_bytes) / unique, 3),
+        "method": "tracemalloc: allocations while building, minus the input documents",
+    }
+    print(f"tree: {unique / 1e6:.1f} MB unique, {st.nodes} nodes, "
+          f"{result['tree']['bytes_per_cached_byte']} bytes per cached byte")  # fmt: skip
+    del router
+    gc.collect()
+
+    router = Router(cfg, random.Random(0))
+    rng = random.Random(1)
+    docs, n_blocks, secs = build(router, args.engines, args.mb, rng, 0.0)
+    result["ingest"] = {
+        "blocks": n_blocks,
+        "chained_blocks_per_s": round(n_blocks / secs),
+        "events_per_s": round(len(docs) / secs),
+        "single_block_events_per_s": round(
+            ingest_single_blocks(100_000 if not args.quick else 20_000)
+        ),
+    }
+    print(f"ingest: {result['ingest']['chained_blocks_per_s']:,} blocks/s in 192-block chains, "
+          f"{result['ingest']['single_block_events_per_s']:,} single-block events/s")  # fmt: skip
+
+    # 2. decision latency vs prompt size on the big tree
+    by_size = {}
+    now = 10.0
+    for size in (1024, 4096, 16384, 32768, 65536):
+        keys = keys_for(docs, size, rng, args.n)
+        latency(router, keys[:20], now)  # warm up
+        by_size[str(size)] = latency(router, keys, now + 1)
+        by_size[str(size)]["match_only"] = match_latency(router, keys)
+        now += 30.0
+        print(f"route {size // 1024:>2} KiB, {args.engines} engines: {by_size[str(size)]}")
+    result["latency_by_prompt_bytes"] = by_size
+    del router, docs
+    gc.collect()
+
+    # 3. decision latency vs engine count (32 KiB prompts, smaller tree per count)
+    by_engines = {}
+    small_mb = min(args.mb, 20.0)
+    for n in (8, 64, 256, 1024):
+        r = Router(cfg, random.Random(0))
+        d, _, _ = build(r, n, small_mb, random.Random(2), 0.0)
+        keys = keys_for(d, 32768, rng, args.n)
+        latency(r, keys[:20], 1.0)
+        by_engines[str(n)] = latency(r, keys, 2.0)
+        print(f"route 32 KiB, {n:>4} engines ({small_mb:.0f} MB tree): {by_engines[str(n)]}")
+        del r, d
+        gc.collect()
+    result["latency_by_engines_32k"] = {"tree_mb": small_mb, **by_engines}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,322 @@
+"""``kvgate bench``: replay a workload live, simulate a cluster, compare, report.
+
+Verbs:
+
+* ``kvgate bench replay --url URL --workload mooncake ...``: open-loop live replay to any
+  OpenAI-compatible server; per-request JSONL and a summary JSON.
+* ``kvgate bench sim --trace mooncake --engines 16 --policies e2,round_robin ...``: the
+  discrete-event simulator, every policy x scheduler x rate side by side; one JSON.
+* ``kvgate bench fidelity``: the same trace slice live (real engines + gateway on loopback) and
+  simulated; p50/p99 TTFT error; one JSON.
+* ``kvgate bench report --inputs A.json B.json --out report.md``: Markdown tables and PNG plots.
+* ``kvgate bench workloads``: list the workloads and describe one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import orjson
+
+from bench.workloads import WORKLOADS, WorkloadOptions
+
+RESULTS = Path("bench/results")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated numbers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError("want positive numbers")
+    return vals
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """Comma-separated names; a policy spec's own commas go inside brackets: e2[a=1,b=2]."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            if cur.strip():
+                out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    if not out:
+        raise argparse.ArgumentTypeError("want at least one name")
+    return tuple(out)
+
+
+def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake") -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--trace",
+        "--workload",
+        dest="workload",
+        default=default,
+        help=f"workload: {', '.join(WORKLOADS)}, or a Mooncake .jsonl / Azure .csv path",
+    )
+    g.add_argument("--start", type=float, default=0.0, help="window start, trace seconds")
+    g.add_argument(
+        "--duration", type=float, default=None, help="window length, trace seconds (default: all)"
+    )
+    g.add_argument("--max-requests", type=int, default=None, help="keep at most N requests")
+    g.add_argument(
+        "--keep", type=float, default=1.0, help="thin the window to this fraction (by request id)"
+    )
+    g.add_argument("--rate", type=float, default=4.0, help="synthetic workloads: requests/s")
+    g.add_argument("--cv", type=float, default=1.0, help="synthetic: inter-arrival CV (1=Poisson)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--slo",
+        default=None,
+        help="SLOs: keep | class:NAME | scaled:K[:TPOT_MS] | TTFT_MS,TPOT_MS "
+        "(default: traces scaled:5:100, synthetic keep their own)",
+    )
+    g.add_argument("--model", default="kvgate-sim", help="model name in requests")
+
+
+def _workload_options(args: argparse.Namespace, rate_scale: float = 1.0) -> WorkloadOptions:
+    return WorkloadOptions(
+        seed=args.seed,
+        rate=args.rate,
+        duration=args.duration,
+        start=args.start,
+        rate_scale=rate_scale,
+        max_requests=args.max_requests,
+        slo=args.slo,
+        model=args.model,
+        cv=args.cv,
+        keep=args.keep,
+    )
+
+
+def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
+    g = p.add_argument_group("simulated cluster")
+    g.add_argument("--engines", type=int, default=engines)
+    g.add_argument("--profile", default="mistral-7b-a6000", help="engine cost profile")
+    g.add_argument(
+        "--link-delay", type=float, default=0.002, help="engine event -> router delay, s"
+    )
+    g.add_argument("--link-jitter", type=float, default=0.0, help="extra uniform delay, s")
+    g.add_argument("--network-delay", type=float, default=0.0005, help="gateway -> engine, s")
+    g.add_argument("--heartbeat", type=float, default=1.0, help="engine heartbeat period, s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    p = sub.add_parser("replay", help="live open-loop replay to an OpenAI-compatible URL")
+    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    _add_workload_args(p)
+    p.add_argument("--rate-scale", type=float, default=1.0, help="compress time: x2 = 2x rate")
+    p.add_argument("--max-duration", type=float, default=None, help="send nothing after N s")
+    p.add_argument("--no-hint", action="store_true", help="omit body field kvgate{...}")
+    p.add_argument("--no-slo-headers", action="store_true", help="omit x-kvgate-*-ms headers")
+    p.add_argument("--no-ignore-eos", action="store_true", help="omit ignore_eos: true")
+    p.add_argument("--no-stream", action="store_true", help="non-streaming requests (no TTFT)")
+    p.add_argument("--served-model", default=None, help="override the model name sent")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    p.add_argument("--drain-timeout", type=float, default=120.0, help="after the last send, s")
+    p.add_argument("--max-inflight", type=int, default=4096)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS / "replay", help="output prefix")
+
+    p = sub.add_parser("sim", help="discrete-event simulation of the router and N engines")
+    _add_workload_args(p)
+    _add_sim_world_args(p)
+    p.add_argument(
+        "--policies",
+        type=_names,
+        default=("e2", "round_robin", "least_load", "cache_aware"),
+        help="router policies, comma-separated; options as e2[rebalance=false] "
+        "(aliases: e2-no-rebalance, e2-no-pd, e2-no-p)",
+    )
+    p.add_argument("--schedulers", type=_names, default=("slo",), help="slo, fcfs, preble")
+    p.add_argument("--rate-scale", type=_floats, default=(1.0,), help="one or more, e.g. 1,2,4")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
+    p.add_argument("--cprofile", type=Path, default=None, help="write cProfile files here")
+    p.add_argument("--out", type=Path, default=RESULTS / "sim.json")
+
+    p = sub.add_parser("fidelity", help="the same slice live and simulated; TTFT error")
+    _add_workload_args(p)
+    _add_sim_world_args(p, engines=4)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--policy", default="e2")
+    p.add_argument("--scheduler", default="slo")
+    p.add_argument("--tolerance", type=float, default=0.10)
+    p.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    p.add_argument("--no-progress", action="store_true")
+    # a 10-minute window, a quarter of its requests: 4 engines carry what 16 carry at full rate
+    p.set_defaults(start=600.0, duration=600.0, keep=0.25, heartbeat=0.2)
+
+    p = sub.add_parser("report", help="Markdown tables and PNG plots from result JSONs")
+    p.add_argument("--inputs", type=Path, nargs="+", required=True)
+    p.add_argument("--out", type=Path, default=RESULTS / "report.md")
+    p.add_argument("--no-plots", action="store_true")
+
+    p = sub.add_parser("workloads", help="list workloads; describe one")
+    p.add_argument("name", nargs="?", default=None)
+    _add_workload_args(p)
+    p.add_argument("--rate-scale", type=float, default=1.0)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from bench.replay import ReplayConfig, replay
+    from bench.workloads import build_workload
+
+    reqs = build_workload(args.workload, _workload_options(args, args.rate_scale))
+    cfg = ReplayConfig(
+        base_url=args.url,
+        model=args.served_model,
+        stream=not args.no_stream,
+        send_hint=not args.no_hint,
+        ignore_eos=not args.no_ignore_eos,
+        slo_headers=not args.no_slo_headers,
+        max_duration_s=args.max_duration,
+        request_timeout_s=args.timeout,
+        drain_timeout_s=args.drain_timeout,
+        max_inflight=args.max_inflight,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+    )
+    result = asyncio.run(replay(reqs, cfg))
+    out: Path = args.out
+    jsonl, summary = Path(f"{out}.jsonl"), Path(f"{out}.summary.json")
+    result.write(jsonl, summary)
+    _print_summary(result.summary)
+    print(f"wrote {jsonl} and {summary}")
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    if not s.get("requests"):
+        print("no requests")
+        return
+    print(
+        f"{s['requests']} requests, {s['ok']} ok, status {s['status']}; "
+        f"TTFT p50 {s['ttft_ms']['p50']} ms p99 {s['ttft_ms']['p99']} ms; "
+        f"TPOT p50 {s['tpot_ms']['p50']} ms p99 {s['tpot_ms']['p99']} ms; "
+        f"SLO attainment {100 * s['slo_attainment']:.1f}%; "
+        f"prefix hit rate {s['prefix_hit_rate']}"
+    )
+
+
+def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
+    from bench.sim.runner import SimConfig
+    from bench.sim.world import LinkConfig
+
+    return SimConfig(
+        engines=args.engines,
+        profile=args.profile,
+        link=LinkConfig(
+            link_delay_s=args.link_delay,
+            link_jitter_s=args.link_jitter,
+            network_delay_s=args.network_delay,
+            heartbeat_s=args.heartbeat,
+            seed=args.seed,
+        ),
+        seed=args.seed,
+    )
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from bench.report import runs_table
+    from bench.sim.runner import SweepSpec, sweep
+
+    spec = SweepSpec(
+        workload=args.workload,
+        options=_workload_options(args),
+        policies=args.policies,
+        schedulers=args.schedulers,
+        rate_scales=args.rate_scale,
+        sim=_sim_config(args),
+        profile_dir=str(args.cprofile) if args.cprofile else None,
+    )
+    result = sweep(spec, jobs=args.jobs)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    from bench.report import load_runs
+
+    runs, _ = load_runs([args.out])
+    print(runs_table(runs))
+    print(f"wrote {args.out} ({result['wall_s']:.1f} s)")
+    return 0
+
+
+def _run_fidelity(args: argparse.Namespace) -> int:
+    from bench.fidelity import FidelitySpec, run_fidelity
+
+    spec = FidelitySpec(
+        workload=args.workload,
+        options=_workload_options(args, args.rate_scale),
+        policy=args.policy,
+        scheduler=args.scheduler,
+        sim=_sim_config(args),
+        tolerance=args.tolerance,
+        progress=not args.no_progress,
+    )
+    result = asyncio.run(run_fidelity(spec))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    err = result["error"]
+    print(
+        f"TTFT p50 live {result['live']['ttft_ms']['p50']} sim {result['sim']['ttft_ms']['p50']} "
+        f"({100 * (err['ttft_p50'] or 0):+.1f}%); p99 live {result['live']['ttft_ms']['p99']} "
+        f"sim {result['sim']['ttft_ms']['p99']} ({100 * (err['ttft_p99'] or 0):+.1f}%)"
+    )
+    print(f"wrote {args.out}")
+    return 0 if result["within_tolerance"] else 1
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from bench.report import build_report
+
+    missing = [p for p in args.inputs if not p.exists()]
+    if missing:
+        print(f"no such file: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    out, images = build_report(args.inputs, args.out, plots=not args.no_plots)
+    print(f"wrote {out}" + (f" and {len(images)} plots" if images else ""))
+    return 0
+
+
+def _run_workloads(args: argparse.Namespace) -> int:
+    from bench.workloads import build_workload, describe
+
+    if args.name is None:
+        for name, fn in WORKLOADS.items():
+            doc = (fn.__doc__ or "").strip().splitlines()
+            print(f"{name:<16} {doc[0] if doc else ''}")
+        return 0
+    reqs = build_workload(args.name, _workload_options(args, args.rate_scale))
+    print(orjson.dumps(describe(reqs), option=orjson.OPT_INDENT_2).decode())
+    return 0
+
+
+VERBS = {
+    "replay": _run_replay,
+    "sim": _run_sim,
+    "fidelity": _run_fidelity,
+    "report": _run_report,
+    "workloads": _run_workloads,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return VERBS[args.verb](args)
+    except (ValueError, OSError) as exc:
+        print(f"kvgate bench {args.verb}: {exc}", file=sys.stderr)
+        return 2

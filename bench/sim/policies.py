@@ -1,0 +1,62 @@
+"""Router policy specs for sweeps: ``name`` or ``name[option=value,...]``, plus ablation aliases.
+
+The options are the fields of the policy's own frozen config in ``router/policies/`` (the
+registry there is the only list of policies; unknown names or options fail with its message).
+E2's ablations are flags on its config; the aliases name the three the report compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.core import Router, RouterConfig
+from router.policies.base import Rng
+
+# The e2 ablations of the report (flags of router.policies.e2.E2Config).
+ALIASES: dict[str, str] = {
+    "e2-no-rebalance": "e2[rebalance=false]",
+    "e2-no-pd": "e2[pd_balance=false]",
+    "e2-no-p": "e2[prefill_term=false]",
+    "e2-no-m": "e2[eviction_term=false]",
+    "e2-no-slo": "e2[slo_filter=false]",
+}
+
+
+def _value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``e2[rebalance=false,pd_balance=false]`` -> ``("e2", {"rebalance": False, ...})``."""
+    spec = ALIASES.get(spec.strip(), spec.strip())
+    name, sep, rest = spec.partition("[")
+    options: dict[str, Any] = {}
+    if sep:
+        if not rest.endswith("]"):
+            raise ValueError(f"policy spec {spec!r}: missing ']'")
+        for item in rest[:-1].split(","):
+            if not item.strip():
+                continue
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"policy spec {spec!r}: options are key=value")
+            options[key.strip()] = _value(value)
+    if not name.strip():
+        raise ValueError("empty policy name")
+    return name.strip(), options
+
+
+def make_router(spec: str, rng: Rng) -> Router:
+    """The real router running the policy ``spec`` (see :func:`parse_policy`)."""
+    name, options = parse_policy(spec)
+    return Router(RouterConfig(policy=name, policy_options=options), rng)

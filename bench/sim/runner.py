@@ -1,0 +1,238 @@
+"""Simulation runs and sweeps: policies x local schedulers x rates over one workload.
+
+Builds the real ``router.core.Router`` (policy from a spec string, see
+:func:`bench.sim.policies.router_config`) and real ``engine.core.EngineCore`` s, runs
+:class:`bench.sim.world.World`, and summarises with :func:`bench.metrics.summarize`. A sweep
+writes one JSON (``kind: kvgate-sim``) that ``kvgate bench report`` reads.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import logging
+import os
+import pstats
+import random
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from bench.metrics import summarize
+from bench.sim.policies import make_router
+from bench.sim.world import LinkConfig, World
+from bench.workloads import Request, WorkloadOptions, build_workload, describe, scale_rate
+from engine.core import EngineCore, EngineRequest, SchedulerConfig
+from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated cluster (the workload is separate)."""
+
+    engines: int = 16
+    profile: str = DEFAULT_PROFILE
+    link: LinkConfig = field(default_factory=LinkConfig)
+    seed: int = 0
+    static_engines: bool = True  # also register engines by hand (no wait for a heartbeat)
+    drain_s: float | None = 4 * 3600.0  # virtual time allowed after the last arrival
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def engine_ids(n: int) -> list[str]:
+    width = max(2, len(str(n - 1)))
+    return [f"e{i:0{width}d}" for i in range(n)]
+
+
+def _engine_request(req: Request, key: bytes, arrival: float) -> EngineRequest:
+    return EngineRequest(
+        request_id=req.request_id,
+        key=key,
+        input_tokens=req.input_tokens,
+        output_tokens=req.output_tokens,
+        slo=req.slo,
+        arrival=arrival,
+    )
+
+
+def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
+    """One router (``policy`` spec), ``cfg.engines`` engine cores (``scheduler``), wired."""
+    profile: CostProfile = load_profile(cfg.profile)
+    ids = engine_ids(cfg.engines)
+    # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
+    sched_cfg = SchedulerConfig(stream_outputs=False)
+    engines = [EngineCore(eid, profile, policy=scheduler, config=sched_cfg) for eid in ids]
+    router = make_router(policy, random.Random(f"router:{cfg.seed}"))
+    world = World(
+        router,
+        engines,
+        profile=profile,
+        make_engine_request=_engine_request,
+        link=cfg.link,
+    )
+    if cfg.static_engines:
+        for slot in world.slots:
+            router.add_static_engine(
+                slot.core.engine_id, slot.url, world.models, profile=profile.name
+            )
+    return world
+
+
+def run_one(
+    requests: Sequence[Request],
+    policy: str,
+    scheduler: str,
+    cfg: SimConfig,
+    *,
+    rate_scale: float = 1.0,
+    profile_path: Path | None = None,
+) -> dict:
+    """Simulate ``requests`` with one policy and one local scheduler; the run's result dict."""
+    world = build_world(policy, scheduler, cfg)
+    profiler = cProfile.Profile() if profile_path is not None else None
+    t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    world.run(requests, drain_s=cfg.drain_s)
+    if profiler is not None:
+        profiler.disable()
+    wall = time.perf_counter() - t0
+    if profiler is not None and profile_path is not None:
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(profile_path))
+    ids = [s.core.engine_id for s in world.slots]
+    summary = summarize(world.records, engines=ids)
+    st = world.stats
+    return {
+        "policy": policy,
+        "scheduler": scheduler,
+        "rate_scale": rate_scale,
+        "summary": summary,
+        "sim": {
+            "wall_s": round(wall, 3),
+            "virtual_s": round(world.loop.now, 3),
+            "events": world.loop.processed,
+            "events_per_s": round(world.loop.processed / wall, 1) if wall > 0 else None,
+            "route_calls": st.route_calls,
+            "envelopes": st.envelopes,
+            "deliveries": st.deliveries,
+            "heartbeats": st.heartbeats,
+            "engine_wakes": st.wakes,
+            "stale_wakes": st.stale_wakes,
+            "shed_by_router": st.shed,
+        },
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class SweepSpec:
+    """Everything a sweep needs; picklable so worker processes can rebuild the workload."""
+
+    workload: str
+    options: WorkloadOptions
+    policies: tuple[str, ...]
+    schedulers: tuple[str, ...]
+    rate_scales: tuple[float, ...]
+    sim: SimConfig
+    profile_dir: str | None = None  # cProfile output per run when set
+
+
+def _cells(spec: SweepSpec) -> list[tuple[str, str, float]]:
+    return [
+        (pol, sch, rate)
+        for rate in spec.rate_scales
+        for sch in spec.schedulers
+        for pol in spec.policies
+    ]
+
+
+def _workload(spec: SweepSpec) -> list[Request]:
+    """The workload at rate x1 and uncut: each cell compresses and limits its own copy."""
+    base = replace(spec.options, rate_scale=1.0, max_requests=None)
+    return build_workload(spec.workload, base, profile=load_profile(spec.sim.profile))
+
+
+def _scaled(requests: list[Request], opts: WorkloadOptions, rate: float) -> list[Request]:
+    out = scale_rate(requests, opts.rate_scale * rate)
+    return out[: opts.max_requests] if opts.max_requests is not None else out
+
+
+def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Request]) -> dict:
+    pol, sch, rate = cell
+    reqs = _scaled(requests, spec.options, rate)
+    prof = None
+    if spec.profile_dir:
+        safe = pol.replace(":", "_").replace(",", "_").replace("=", "-")
+        prof = Path(spec.profile_dir) / f"{safe}-{sch}-x{rate:g}.prof"
+    t0 = time.perf_counter()
+    result = run_one(reqs, pol, sch, spec.sim, rate_scale=rate, profile_path=prof)
+    s = result["summary"]
+    print(
+        f"sim: {pol:<28} {sch:<7} x{rate:<5g} {len(reqs):>6} req  "
+        f"SLO {100 * s.get('slo_attainment', 0):5.1f}%  "
+        f"TTFT p99 {s['ttft_ms']['p99'] or 0:9.0f} ms  "
+        f"hit {100 * (s.get('prefix_hit_rate') or 0):5.1f}%  "
+        f"({time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+_WORKER_SPEC: SweepSpec | None = None
+_WORKER_REQS: list[Request] | None = None
+
+
+def _worker_cell(cell: tuple[str, str, float]) -> dict:
+    global _WORKER_SPEC, _WORKER_REQS
+    assert _WORKER_SPEC is not None
+    if _WORKER_REQS is None:
+        _WORKER_REQS = _workload(_WORKER_SPEC)
+    return _run_cell(_WORKER_SPEC, cell, _WORKER_REQS)
+
+
+def _init_worker(spec: SweepSpec) -> None:
+    global _WORKER_SPEC, _WORKER_REQS
+    _WORKER_SPEC, _WORKER_REQS = spec, None
+
+
+def sweep(spec: SweepSpec, *, jobs: int = 1) -> dict:
+    """Run every (policy, scheduler, rate) cell; the result document (``kind: kvgate-sim``)."""
+    t0 = time.perf_counter()
+    requests = _workload(spec)
+    cells = _cells(spec)
+    if jobs > 1 and len(cells) > 1:
+        with ProcessPoolExecutor(
+            max_workers=min(jobs, len(cells)), initializer=_init_worker, initargs=(spec,)
+        ) as pool:
+            runs = list(pool.map(_worker_cell, cells))
+    else:
+        runs = [_run_cell(spec, c, requests) for c in cells]
+    return {
+        "kind": "kvgate-sim",
+        "workload": {
+            "name": spec.workload,
+            "options": asdict(spec.options),
+            "shape": describe(requests),
+        },
+        "world": spec.sim.to_dict(),
+        "runs": runs,
+        "wall_s": round(time.perf_counter() - t0, 3),
+        "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
+
+
+def top_functions(profile_path: Path, n: int = 15) -> list[tuple[str, float, float, int]]:
+    """(function, own seconds, cumulative seconds, calls) of the costliest functions."""
+    stats = pstats.Stats(str(profile_path))
+    rows = []
+    for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append((f"{Path(file).name}:{line}:{fn}", tt, ct, nc))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:n]

@@ -1,0 +1,330 @@
+"""The simulated cluster: one real router, N real engine cores, a modeled event link, a clock.
+
+Nothing here models routing or scheduling: the world drives the very objects the live processes
+run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock of
+:class:`bench.sim.loop.EventLoop`, and only models what sits between them:
+
+* a client request reaches the router at its arrival time (``ARRIVAL``) and is routed at once;
+  a shed decision is a 429 for the client;
+* a routed request reaches its engine ``network_delay_s`` later (``SUBMIT``), as the gateway's
+  HTTP call would;
+* each engine's step ends are ``ENGINE_WAKE`` events at :meth:`EngineCore.next_event_time`
+  (re-read after every submit and advance; a stale wake is recognised by its version and ignored);
+* engine events travel to the router as :class:`broker.events.Envelope` s with the engine's epoch
+  and consecutive sequence numbers, ``link_delay_s`` (plus optional seeded jitter) later, in order
+  per engine, one batch per engine step (``DELIVER``), as the reporter's stream entries would;
+* every engine sends a load heartbeat each ``heartbeat_s`` (``HEARTBEAT``) through the same link;
+* when a request finishes (or the engine rejects it) the router gets the gateway's outcome report.
+
+So the world doubles as an integration harness of router and engine: every event they exchange
+crosses the same contract as in production, with the delays made explicit.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from bench.metrics import STATUS_OK, STATUS_SHED, RequestRecord
+from bench.sim.loop import EventLoop, Kind
+from bench.workloads import Request
+from broker.events import Envelope, Event
+from kvgate.cost_model import CostProfile
+from router.api import Decision, RouteRequest
+
+
+class RouterLike(Protocol):
+    """The part of ``router.core.Router`` the world drives (the agreed interface)."""
+
+    def route(self, req: RouteRequest, now: float) -> Decision: ...
+    def apply(self, env: Envelope, now: float) -> None: ...
+    def report(self, request_id: str, engine_id: str, outcome: str, now: float) -> None: ...
+
+
+class EngineLike(Protocol):
+    """The part of ``engine.core.EngineCore`` the world drives (the agreed interface)."""
+
+    engine_id: str
+
+    def submit(self, req: Any, now: float) -> None: ...
+    def cancel(self, request_id: str, now: float) -> None: ...
+    def next_event_time(self) -> float | None: ...
+    def advance(self, now: float) -> list[Any]: ...
+    def drain_events(self) -> list[Event]: ...
+    def heartbeat(self, url: str, models: tuple[str, ...]) -> Event: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """What sits between the parts (seconds)."""
+
+    link_delay_s: float = 0.002  # engine event -> router (reporter flush + XREAD)
+    link_jitter_s: float = 0.0  # extra uniform [0, jitter) per batch, order kept per engine
+    network_delay_s: float = 0.0005  # gateway -> engine request
+    heartbeat_s: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("link_delay_s", "link_jitter_s", "network_delay_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not self.heartbeat_s > 0:
+            raise ValueError("heartbeat_s must be positive")
+
+
+@dataclass(slots=True)
+class _EngineSlot:
+    """The world's bookkeeping for one engine (the core itself is untouched)."""
+
+    index: int
+    core: EngineLike
+    url: str
+    epoch: str
+    seq: int = 0
+    wake_at: float | None = None
+    wake_version: int = 0
+    last_delivery: float = 0.0
+    routed: int = 0
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A request between routing and its end."""
+
+    req: Request
+    record: RequestRecord
+    engine: int
+
+
+@dataclass(slots=True)
+class WorldStats:
+    """Counts of what the world did, for the result file and profiling."""
+
+    routed: int = 0
+    shed: int = 0
+    envelopes: int = 0
+    deliveries: int = 0
+    heartbeats: int = 0
+    wakes: int = 0
+    stale_wakes: int = 0
+    route_calls: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class World:
+    """Wires one router and N engine cores on one event loop; see the module docstring."""
+
+    def __init__(
+        self,
+        router: RouterLike,
+        engines: Sequence[EngineLike],
+        *,
+        profile: CostProfile,
+        make_engine_request: Callable[[Request, bytes, float], Any],
+        link: LinkConfig | None = None,
+        models: tuple[str, ...] = ("kvgate-sim",),
+        url_prefix: str = "sim://",
+    ) -> None:
+        self.router = router
+        self.profile = profile
+        self.link = link or LinkConfig()
+        self.models = models
+        self.loop = EventLoop()
+        self._make_engine_request = make_engine_request
+        self._rng = random.Random(f"link:{self.link.seed}")
+        self.slots = [
+            _EngineSlot(i, e, f"{url_prefix}{e.engine_id}", epoch=f"sim{self.link.seed}")
+            for i, e in enumerate(engines)
+        ]
+        self._by_id = {s.core.engine_id: s for s in self.slots}
+        self.records: list[RequestRecord] = []
+        self._flights: dict[str, _Flight] = {}
+        self.stats = WorldStats()
+        self._horizon = 0.0
+        loop = self.loop
+        loop.on(Kind.ARRIVAL, self._on_arrival)
+        loop.on(Kind.SUBMIT, self._on_submit)
+        loop.on(Kind.ENGINE_WAKE, self._on_wake)
+        loop.on(Kind.DELIVER, self._on_deliver)
+        loop.on(Kind.HEARTBEAT, self._on_heartbeat)
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, requests: Sequence[Request], *, drain_s: float | None = None) -> None:
+        """Simulate ``requests`` (sorted by arrival) until every one has ended.
+
+        Heartbeats run while requests are open; ``drain_s`` bounds the time after the last
+        arrival (None: until all finish).
+        """
+        if not requests:
+            return
+        for req in requests:
+            self.loop.schedule(req.arrival, Kind.ARRIVAL, req)
+        last = requests[-1].arrival
+        self._horizon = last
+        for slot in self.slots:
+            # initial heartbeats make the engines known and alive before the first request
+            self._send_heartbeat(slot, 0.0)
+            self.loop.schedule(self.link.heartbeat_s, Kind.HEARTBEAT, slot.index)
+        until = None if drain_s is None else last + drain_s
+        self.loop.run(until=until)
+        # whatever is still open when the bound hits ends as a timeout
+        for flight in list(self._flights.values()):
+            flight.record.error = "still running when the simulation stopped"
+            flight.record.status = 504
+        self._flights.clear()
+
+    # ------------------------------------------------------------------ handlers
+
+    def _record(self, req: Request) -> RequestRecord:
+        return RequestRecord(
+            request_id=req.request_id,
+            kind=req.kind,
+            arrival=req.arrival,
+            input_tokens=req.input_tokens,
+            output_tokens=req.output_tokens,
+            slo_ttft_ms=req.slo.ttft_ms,
+            slo_tpot_ms=req.slo.tpot_ms,
+            prompt_tokens=req.input_tokens,
+        )
+
+    def _on_arrival(self, req: Request, now: float) -> None:
+        rec = self._record(req)
+        self.records.append(rec)
+        key = req.key()
+        decision = self.router.route(
+            RouteRequest(
+                request_id=req.request_id,
+                model=req.model,
+                key=key,
+                input_tokens=req.input_tokens,
+                max_tokens=req.output_tokens,
+                slo=req.slo,
+                session=req.session,
+            ),
+            now,
+        )
+        self.stats.route_calls += 1
+        rec.reason = decision.reason
+        rec.matched_bytes = decision.matched_bytes
+        if decision.engine_id is None:
+            rec.status = STATUS_SHED
+            rec.error = decision.detail or "shed by the router"
+            rec.e2e_s = 0.0
+            self.stats.shed += 1
+            return
+        slot = self._by_id.get(decision.engine_id)
+        if slot is None:
+            rec.status = 502
+            rec.error = f"router chose unknown engine {decision.engine_id}"
+            return
+        rec.engine = decision.engine_id
+        slot.routed += 1
+        self.stats.routed += 1
+        self._flights[req.request_id] = _Flight(req, rec, slot.index)
+        ereq = self._make_engine_request(req, key, now + self.link.network_delay_s)
+        self.loop.schedule(now + self.link.network_delay_s, Kind.SUBMIT, (slot.index, ereq))
+
+    def _on_submit(self, payload: tuple[int, Any], now: float) -> None:
+        index, ereq = payload
+        slot = self.slots[index]
+        slot.core.submit(ereq, now)
+        self._after_engine_call(slot, now)
+
+    def _on_wake(self, payload: tuple[int, int], now: float) -> None:
+        index, version = payload
+        slot = self.slots[index]
+        if version != slot.wake_version:
+            self.stats.stale_wakes += 1
+            return
+        self.stats.wakes += 1
+        slot.wake_at = None
+        outputs = slot.core.advance(now)
+        for out in outputs:
+            self._on_output(slot, out, now)
+        self._after_engine_call(slot, now)
+
+    def _on_output(self, slot: _EngineSlot, out: Any, now: float) -> None:
+        flight = self._flights.get(out.request_id)
+        if flight is None:
+            return
+        rec = flight.record
+        arrival = flight.req.arrival
+        if out.rejected is not None:
+            rec.status = STATUS_SHED
+            rec.error = out.rejected
+            rec.e2e_s = now - arrival
+            del self._flights[out.request_id]
+            self.router.report(out.request_id, slot.core.engine_id, "ok", now)
+            return
+        if out.index == 0 and out.times and rec.ttft_s is None:
+            rec.ttft_s = out.times[0] - arrival
+        if out.usage is not None:
+            u = out.usage
+            last = out.times[-1] if out.times else now
+            rec.status = STATUS_OK
+            rec.e2e_s = last - arrival
+            rec.completion_tokens = u.completion_tokens
+            rec.prompt_tokens = u.prompt_tokens
+            rec.cached_tokens = u.cached_tokens
+            rec.tpot_s = u.tpot_ms / 1000.0 if u.completion_tokens > 1 else None
+            del self._flights[out.request_id]
+            self.router.report(out.request_id, slot.core.engine_id, "ok", now)
+
+    def _after_engine_call(self, slot: _EngineSlot, now: float) -> None:
+        """Ship the engine's new events and (re)arm its wake-up."""
+        events = slot.core.drain_events()
+        if events:
+            self._ship(slot, events, now)
+        t = slot.core.next_event_time()
+        if t is None:
+            if slot.wake_at is not None:
+                slot.wake_version += 1  # cancel the armed wake
+                slot.wake_at = None
+            return
+        t = max(t, now)
+        if slot.wake_at == t:
+            return
+        slot.wake_version += 1
+        slot.wake_at = t
+        self.loop.schedule(t, Kind.ENGINE_WAKE, (slot.index, slot.wake_version))
+
+    def _ship(self, slot: _EngineSlot, events: list[Event], now: float) -> None:
+        """Wrap events in envelopes (epoch, consecutive seq) and deliver them later, in order."""
+        eid = slot.core.engine_id
+        envs = []
+        seq = slot.seq
+        for ev in events:
+            envs.append(Envelope(eid, slot.epoch, seq, now, ev))
+            seq += 1
+        slot.seq = seq
+        delay = self.link.link_delay_s
+        if self.link.link_jitter_s:
+            delay += self._rng.random() * self.link.link_jitter_s
+        at = max(now + delay, slot.last_delivery)
+        slot.last_delivery = at
+        self.stats.envelopes += len(envs)
+        self.loop.schedule(at, Kind.DELIVER, envs)
+
+    def _on_deliver(self, envs: list[Envelope], now: float) -> None:
+        self.stats.deliveries += 1
+        apply = self.router.apply
+        for env in envs:
+            apply(env, now)
+
+    def _send_heartbeat(self, slot: _EngineSlot, now: float) -> None:
+        self.stats.heartbeats += 1
+        self._ship(slot, [slot.core.heartbeat(slot.url, self.models)], now)
+
+    def _on_heartbeat(self, index: int, now: float) -> None:
+        slot = self.slots[index]
+        self._send_heartbeat(slot, now)
+        if now < self._horizon or self._flights:
+            self.loop.schedule(now + self.link.heartbeat_s, Kind.HEARTBEAT, index)
+
+    # ------------------------------------------------------------------ results
+
+    def per_engine(self) -> dict[str, int]:
+        return {s.core.engine_id: s.routed for s in self.slots}

@@ -1,0 +1,159 @@
+"""Workloads for replay and simulation: one request record, trace loaders, synthetic families.
+
+:func:`build_workload` is the one entry point (CLI, simulator, fidelity run): a workload name
+(or a trace path) and :class:`WorkloadOptions` give a seeded, arrival-sorted list of
+:class:`Request`. The order of operations is fixed: load or generate, take the window
+``[start, start + duration)`` in trace time, keep a ``keep`` fraction of it (by request id),
+compress time by ``rate_scale``, keep at most ``max_requests``, then assign SLOs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.workloads import synthetic, traces
+from bench.workloads.request import (
+    DEFAULT_MODEL,
+    Request,
+    Segment,
+    Turn,
+    content_seed,
+    segment_bytes,
+    tokens_for_bytes,
+)
+from bench.workloads.transform import (
+    assign_slo,
+    describe,
+    limit,
+    merge,
+    parse_slo_spec,
+    scale_rate,
+    thin,
+    window,
+)
+from kvgate.cost_model import CostProfile, default_profile
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "WORKLOADS",
+    "Request",
+    "Segment",
+    "Turn",
+    "WorkloadOptions",
+    "assign_slo",
+    "build_workload",
+    "content_seed",
+    "describe",
+    "limit",
+    "merge",
+    "parse_slo_spec",
+    "scale_rate",
+    "segment_bytes",
+    "thin",
+    "tokens_for_bytes",
+    "window",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadOptions:
+    """How to cut and shape a workload (see the module docstring for the order)."""
+
+    seed: int = 0
+    rate: float = 4.0  # synthetic families: requests per second before rate_scale
+    duration: float | None = None  # window length in trace seconds (synthetic: 600 if None)
+    start: float = 0.0
+    rate_scale: float = 1.0
+    max_requests: int | None = None
+    slo: str | None = None  # None: the workload's default (see DEFAULT_SLO)
+    model: str = DEFAULT_MODEL
+    cv: float = 1.0
+    keep: float = 1.0  # thin the window to this fraction of its requests (by request id)
+
+
+SYNTHETIC_DURATION_S = 600.0
+
+# Traces carry no SLOs: by default each request may take 5x its unloaded prefill time to its
+# first token (at least 250 ms) and 100 ms per output token. Synthetic families keep theirs.
+DEFAULT_SLO = {"mooncake": "scaled:5:100", "azure": "scaled:5:100"}
+
+
+def _mooncake(opts: WorkloadOptions, path: Path | None = None) -> list[Request]:
+    """Mooncake conversation trace: 1 h of Kimi traffic, shared prefixes from hash_ids."""
+    return traces.load_mooncake(path or traces.MOONCAKE_PATH, model=opts.model)
+
+
+def _azure(opts: WorkloadOptions, path: Path | None = None) -> list[Request]:
+    """Azure LLM inference trace (conversation, Nov 2023): arrivals, lengths, unique prompts."""
+    return traces.load_azure(path or traces.AZURE_PATH, model=opts.model)
+
+
+def _synthetic(fn: Callable[..., list[Request]]) -> Callable[[WorkloadOptions], list[Request]]:
+    def build(opts: WorkloadOptions) -> list[Request]:
+        dur = opts.duration if opts.duration is not None else SYNTHETIC_DURATION_S
+        return fn(opts.rate, opts.start + dur, opts.seed, cv=opts.cv, model=opts.model)
+
+    build.__doc__ = fn.__doc__
+    return build
+
+
+def _qwen(opts: WorkloadOptions) -> list[Request]:
+    """QwenTrace-style chat / image / search / file mix with FlowPrefill's SLOs."""
+    dur = opts.duration if opts.duration is not None else SYNTHETIC_DURATION_S
+    lengths = traces.azure_lengths() if traces.AZURE_PATH.exists() else None
+    return synthetic.qwen_mix(
+        opts.rate, opts.start + dur, opts.seed, chat_lengths=lengths, cv=opts.cv, model=opts.model
+    )
+
+
+def _preble_mix(opts: WorkloadOptions) -> list[Request]:
+    """The four Preble families at a quarter of the rate each, interleaved."""
+    part = WorkloadOptions(
+        seed=opts.seed,
+        rate=opts.rate / 4,
+        duration=opts.duration,
+        start=opts.start,
+        model=opts.model,
+        cv=opts.cv,
+    )
+    fams = ("tool_use", "long_doc_qa", "programming", "multi_turn_chat")
+    return merge(*(WORKLOADS[f](part) for f in fams))
+
+
+WORKLOADS: dict[str, Callable[[WorkloadOptions], list[Request]]] = {
+    "mooncake": _mooncake,
+    "azure": _azure,
+    "tool_use": _synthetic(synthetic.tool_use),
+    "long_doc_qa": _synthetic(synthetic.long_doc_qa),
+    "programming": _synthetic(synthetic.programming),
+    "multi_turn_chat": _synthetic(synthetic.multi_turn_chat),
+    "preble_mix": _preble_mix,
+    "qwen_mix": _qwen,
+}
+
+
+def build_workload(
+    name: str, opts: WorkloadOptions | None = None, *, profile: CostProfile | None = None
+) -> list[Request]:
+    """The requests of workload ``name`` (a registry key, or a ``.jsonl``/``.csv`` trace path)."""
+    opts = opts or WorkloadOptions()
+    kind = name
+    if name in WORKLOADS:
+        reqs = WORKLOADS[name](opts)
+    else:
+        path = Path(name)
+        if path.suffix == ".jsonl":
+            kind, reqs = "mooncake", _mooncake(opts, path)
+        elif path.suffix == ".csv":
+            kind, reqs = "azure", _azure(opts, path)
+        else:
+            known = ", ".join(WORKLOADS)
+            raise ValueError(f"unknown workload {name!r}: one of {known}, or a .jsonl/.csv trace")
+    reqs = window(reqs, opts.start, opts.duration)
+    reqs = thin(reqs, opts.keep, opts.seed)
+    reqs = scale_rate(reqs, opts.rate_scale)
+    reqs = limit(reqs, opts.max_requests)
+    spec = opts.slo or DEFAULT_SLO.get(kind, "keep")
+    return assign_slo(reqs, spec, profile or default_profile())

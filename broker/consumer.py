@@ -1,0 +1,358 @@
+"""What a router runs to follow every engine's stream: the async shell around :mod:`broker.tracker`.
+
+Each router replica runs its own Consumer and reads every engine stream with plain multi-stream
+reads (no consumer groups: every replica needs every event). Engines are discovered through the
+registry and picked up while running. Per engine:
+
+1. on discovery, load its snapshot (if any) into the sink and read the stream after the
+   snapshot's id; without one, read from the start of the stream;
+2. decode each entry (:mod:`broker.codec`); a malformed one is counted, logged once per engine
+   and skipped;
+3. apply events in (epoch, seq) order, each at most once: duplicates are skipped, a new epoch
+   from seq 0 resets the engine, AllCleared resets it before it is applied;
+4. on a gap (seq jump, trimmed stream, lost events) reset the engine and wait for a snapshot that
+   covers the gap, asking the engine's reporter for one; then load it and replay after its id.
+
+A broker outage is ridden out with exponential backoff; positions live in memory, so reading
+continues exactly where it stopped and nothing is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from broker.base import BadStream, Broker, BrokerError, BrokerUnavailable, parse_id
+from broker.codec import CodecError, decode_batch, decode_snapshot
+from broker.events import AllCleared, BlockStored, Envelope, Snapshot
+from broker.tracker import Cursor, State, Verdict
+from kvgate.logs import LogOnce
+
+log = logging.getLogger("kvgate.consumer")
+
+
+class Sink(Protocol):
+    """What the consumer feeds (the router). Optionally ``load_snapshot(snap, now)``: if present
+    it is called (after ``reset_engine``) instead of applying the snapshot's chains one by one."""
+
+    def apply(self, env: Envelope, now: float) -> None: ...
+
+    def reset_engine(self, engine_id: str, now: float) -> None: ...
+
+
+@dataclass(slots=True)
+class ConsumerStats:
+    """Counters a router exports as metrics; ``lag_s`` is the worst per-engine lag."""
+
+    entries: int = 0
+    events: int = 0
+    blocks: int = 0  # blocks announced by applied BlockStored events
+    malformed: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    resyncs: int = 0
+    snapshots_loaded: int = 0
+    new_epochs: int = 0
+    reconnects: int = 0
+    sink_errors: int = 0
+    malformed_by_engine: dict[str, int] = field(default_factory=dict)
+    lag_by_engine: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def lag_s(self) -> float:
+        """Seconds between an event's engine timestamp and its application (latest, worst)."""
+        return max(self.lag_by_engine.values(), default=0.0)
+
+
+class Consumer:
+    """Follows every registered engine's stream and folds it into ``sink``."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        sink: Sink,
+        *,
+        count: int = 1000,
+        block_ms: int = 200,
+        discover_interval_s: float = 1.0,
+        snapshot_poll_s: float = 0.1,
+        snapshot_request_s: float = 1.0,
+        quarantine_s: float = 30.0,
+        backoff_s: tuple[float, float] = (0.05, 2.0),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.broker = broker
+        self.sink = sink
+        self.count = count
+        self.block_ms = block_ms
+        self.discover_interval_s = discover_interval_s
+        self.snapshot_poll_s = snapshot_poll_s
+        self.snapshot_request_s = snapshot_request_s
+        self.quarantine_s = quarantine_s
+        self._backoff = backoff_s
+        self._clock = clock
+        self.stats = ConsumerStats()
+        self.cursors: dict[str, Cursor] = {}
+        self._live: set[str] = set()
+        self._quarantined: dict[str, float] = {}
+        self._next_discover = 0.0
+        self._next_snapshot_poll = 0.0
+        self._next_snapshot_request: dict[str, float] = {}
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._down = False
+        self._log_once = LogOnce(log)
+        self._load_snapshot = getattr(sink, "load_snapshot", None)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start following streams in the background (a broker that is down is waited for)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvgate-consumer")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    @property
+    def connected(self) -> bool:
+        return not self._down
+
+    def engines_in(self, state: State) -> list[str]:
+        return sorted(e for e, c in self.cursors.items() if c.state is state)
+
+    async def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._closing:
+            try:
+                await self.poll_once(self.block_ms)
+            except BrokerUnavailable as exc:
+                if not self._down:
+                    self._down = True
+                    log.warning("consumer: broker unavailable (%s); retrying", exc)
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, self._backoff[1])
+                continue
+            except BrokerError as exc:
+                self._log_once.warning("broker-error", "consumer: broker error: %s", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff[1])
+                continue
+            except Exception:  # never let a bug stop the router's event feed
+                log.exception("consumer: unexpected error")
+                await asyncio.sleep(delay)
+                continue
+            if self._down:
+                self._down = False
+                self.stats.reconnects += 1
+                log.info("consumer: broker reachable again; continuing from stored positions")
+            delay = self._backoff[0]
+
+    # ----------------------------------------------------------------- one round
+
+    async def poll_once(self, block_ms: int | None = None) -> int:
+        """Discover engines and load snapshots when due, then read and apply one round of
+        entries (waiting up to ``block_ms`` for some). Returns the number of entries read."""
+        now = time.monotonic()
+        if now >= self._next_discover:
+            await self.discover()
+            self._next_discover = now + self.discover_interval_s
+        if now >= self._next_snapshot_poll:
+            await self._load_pending_snapshots()
+            self._next_snapshot_poll = now + self.snapshot_poll_s
+        positions = {
+            e: c.position
+            for e, c in self.cursors.items()
+            if c.state is State.ACTIVE and e in self._live and e not in self._quarantined
+        }
+        if not positions:
+            wait = min((block_ms or 0) / 1000, max(0.0, self._next_discover - time.monotonic()))
+            if any(c.state is not State.ACTIVE for c in self.cursors.values()):
+                wait = min(wait, self.snapshot_poll_s)
+            await asyncio.sleep(wait)
+            return 0
+        try:
+            result = await self.broker.read(positions, count=self.count, block_ms=block_ms)
+        except BadStream as exc:
+            self._quarantine(exc.engine_ids)
+            return 0
+        entries = 0
+        gaps = False
+        for engine_id, batch in result:
+            entries += len(batch)
+            gaps |= self._ingest(engine_id, batch)
+        if gaps:
+            await self._load_pending_snapshots()
+        return entries
+
+    async def discover(self) -> None:
+        """Refresh the set of live engines and start following new ones."""
+        self._live = set(await self.broker.engines())
+        now = time.monotonic()
+        for engine_id, until in list(self._quarantined.items()):
+            if now >= until:
+                del self._quarantined[engine_id]
+        for engine_id in self._live:
+            if engine_id not in self.cursors:
+                self.cursors[engine_id] = Cursor(engine_id)
+        await self._load_pending_snapshots()
+
+    def _quarantine(self, engine_ids: tuple[str, ...]) -> None:
+        until = time.monotonic() + self.quarantine_s
+        for engine_id in engine_ids:
+            self._quarantined[engine_id] = until
+            self._count_malformed(engine_id, "its stream key holds another Redis type")
+
+    # ----------------------------------------------------------------- snapshots
+
+    async def _load_pending_snapshots(self) -> None:
+        for engine_id, cursor in list(self.cursors.items()):
+            if cursor.state is State.ACTIVE or engine_id not in self._live:
+                continue
+            snap = await self._fetch_snapshot(engine_id)
+            if snap is not None and cursor.covered_by(snap):
+                self._apply_snapshot(cursor, snap)
+            elif cursor.state is State.NEW and snap is None:
+                cursor.start_without_snapshot()
+            else:
+                await self._ask_for_snapshot(engine_id)
+
+    async def _fetch_snapshot(self, engine_id: str) -> Snapshot | None:
+        data = await self.broker.get_snapshot(engine_id)
+        if data is None:
+            return None
+        try:
+            snap = decode_snapshot(bytes(data))
+            if snap.engine_id != engine_id:
+                raise CodecError(f"snapshot of engine {snap.engine_id!r} under {engine_id!r}")
+            parse_id(snap.stream_id)
+        except (CodecError, ValueError) as exc:
+            self._count_malformed(engine_id, f"bad snapshot: {exc}")
+            return None
+        return snap
+
+    async def _ask_for_snapshot(self, engine_id: str) -> None:
+        now = time.monotonic()
+        if now >= self._next_snapshot_request.get(engine_id, 0.0):
+            self._next_snapshot_request[engine_id] = now + self.snapshot_request_s
+            await self.broker.request_snapshot(engine_id)
+
+    def _apply_snapshot(self, cursor: Cursor, snap: Snapshot) -> None:
+        now = self._clock()
+        engine_id = cursor.engine_id
+        self._reset(engine_id, now)
+        try:
+            if self._load_snapshot is not None:
+                self._load_snapshot(snap, now)
+            else:
+                seq = max(snap.seq, 0)
+                for chain in snap.blocks:
+                    self.sink.apply(Envelope(engine_id, snap.epoch, seq, now, chain), now)
+                if snap.heartbeat is not None:
+                    self.sink.apply(Envelope(engine_id, snap.epoch, seq, now, snap.heartbeat), now)
+        except Exception as exc:
+            self._sink_failed(engine_id, exc)
+        cursor.load(snap)
+        self._next_snapshot_request.pop(engine_id, None)
+        self.stats.snapshots_loaded += 1
+
+    # ----------------------------------------------------------------- entries
+
+    def _ingest(self, engine_id: str, batch: list) -> bool:
+        """Apply one engine's entries in order; True if a gap stopped it (snapshot needed)."""
+        cursor = self.cursors.get(engine_id)
+        if cursor is None or cursor.state is not State.ACTIVE:
+            return False
+        stats = self.stats
+        now = self._clock()
+        for entry_id, fields in batch:
+            stats.entries += 1
+            try:
+                envs = decode_batch(fields)
+                if envs[0].engine_id != engine_id:
+                    raise CodecError(f"entry of engine {envs[0].engine_id!r} on this stream")
+            except CodecError as exc:
+                self._count_malformed(engine_id, f"entry {entry_id}: {exc}")
+                cursor.position = entry_id
+                continue
+            verdict, skip = cursor.classify(envs)
+            if verdict is Verdict.DUPLICATE:
+                stats.duplicates += len(envs)
+                cursor.position = entry_id
+                continue
+            if verdict is Verdict.STALE:
+                stats.stale += len(envs)
+                cursor.position = entry_id
+                continue
+            if verdict is Verdict.GAP:
+                stats.resyncs += 1
+                gap = cursor.open_gap(entry_id, envs[0])
+                log.info(
+                    "consumer: engine %s gap at %s (epoch %s, seq %d); resyncing from snapshot",
+                    engine_id,
+                    entry_id,
+                    gap.epoch,
+                    gap.seq + 1,
+                )
+                self._reset(engine_id, now)
+                return True
+            if verdict is Verdict.NEW_EPOCH:
+                stats.new_epochs += 1
+                self._reset(engine_id, now)
+            elif skip:
+                stats.duplicates += skip
+            self._apply(engine_id, envs, skip, now)
+            cursor.advance(entry_id, envs[-1])
+        return False
+
+    def _apply(self, engine_id: str, envs: list[Envelope], skip: int, now: float) -> None:
+        stats = self.stats
+        apply = self.sink.apply
+        for i in range(skip, len(envs)):
+            env = envs[i]
+            ev = env.event
+            kind = type(ev)
+            if kind is BlockStored:
+                stats.blocks += len(ev.hashes)
+            elif kind is AllCleared:
+                self._reset(engine_id, now)
+            try:
+                apply(env, now)
+            except Exception as exc:
+                self._sink_failed(engine_id, exc)
+        stats.events += len(envs) - skip
+        stats.lag_by_engine[engine_id] = max(0.0, now - envs[-1].ts)
+
+    def _reset(self, engine_id: str, now: float) -> None:
+        try:
+            self.sink.reset_engine(engine_id, now)
+        except Exception as exc:
+            self._sink_failed(engine_id, exc)
+
+    def _sink_failed(self, engine_id: str, exc: Exception) -> None:
+        self.stats.sink_errors += 1
+        self._log_once.warning(
+            f"sink:{engine_id}", "consumer: sink failed on engine %s: %r", engine_id, exc
+        )
+
+    def _count_malformed(self, engine_id: str, why: str) -> None:
+        self.stats.malformed += 1
+        by = self.stats.malformed_by_engine
+        by[engine_id] = by.get(engine_id, 0) + 1
+        self._log_once.warning(
+            f"malformed:{engine_id}",
+            "consumer: skipping malformed data of engine %s: %s",
+            engine_id,
+            why,
+        )

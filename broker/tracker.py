@@ -1,0 +1,125 @@
+"""The consumer's pure core: what to do with each decoded stream entry of one engine.
+
+A :class:`Cursor` remembers, per engine stream, the last entry id read and the (epoch, seq) the
+next event must carry. :func:`classify` compares an entry against it:
+
+* the expected seq (or a partial overlap: a re-sent batch) -> apply the new events;
+* all events already seen -> duplicate, skip (a publish that was retried);
+* a new epoch starting at seq 0 -> the engine restarted: reset it, then apply;
+* anything else (seq gap, a new epoch not from its start, a first read of a trimmed stream) ->
+  gap: reset the engine and rebuild it from a snapshot that covers the gap;
+* an epoch this cursor already left behind -> stale, skip (a zombie publisher).
+
+No I/O, no clock: the async shell in :mod:`broker.consumer` does the reading and the timing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from broker.base import START_ID, parse_id
+from broker.events import Envelope, Snapshot
+
+RETIRED_EPOCHS = 8  # how many past epochs per engine are remembered as stale
+
+
+class Verdict(enum.Enum):
+    APPLY = "apply"
+    DUPLICATE = "duplicate"
+    NEW_EPOCH = "new_epoch"
+    GAP = "gap"
+    STALE = "stale"
+
+
+class State(enum.Enum):
+    NEW = "new"  # discovered; its snapshot has not been loaded yet
+    ACTIVE = "active"  # reading its stream
+    WAITING = "waiting"  # after a gap: waiting for a snapshot that covers it
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """What a snapshot must cover: events of ``epoch`` up to ``seq``, seen at entry ``entry_id``."""
+
+    epoch: str
+    seq: int
+    entry_id: str
+
+
+@dataclass(slots=True)
+class Cursor:
+    """Where a consumer stands on one engine's stream."""
+
+    engine_id: str
+    position: str = START_ID
+    epoch: str | None = None
+    next_seq: int | None = None  # None: only an epoch's seq 0 (or a snapshot) can come next
+    state: State = State.NEW
+    gap: Gap | None = None
+    retired: deque[str] = field(default_factory=lambda: deque(maxlen=RETIRED_EPOCHS))
+
+    def classify(self, envs: list[Envelope]) -> tuple[Verdict, int]:
+        """The verdict for one decoded entry and, for APPLY, how many leading events to skip."""
+        head = envs[0]
+        if head.epoch in self.retired:
+            return Verdict.STALE, 0
+        if head.epoch == self.epoch and self.next_seq is not None:
+            last = envs[-1].seq
+            if last < self.next_seq:
+                return Verdict.DUPLICATE, 0
+            if head.seq <= self.next_seq:
+                return Verdict.APPLY, self.next_seq - head.seq
+            return Verdict.GAP, 0
+        if head.seq == 0:
+            return Verdict.NEW_EPOCH, 0
+        return Verdict.GAP, 0
+
+    def advance(self, entry_id: str, last: Envelope) -> None:
+        """Record that everything up to ``last`` (in entry ``entry_id``) was applied."""
+        self.position = entry_id
+        self.next_seq = last.seq + 1
+        if last.epoch != self.epoch:
+            self._switch_epoch(last.epoch)
+
+    def _switch_epoch(self, epoch: str) -> None:
+        if self.epoch is not None and self.epoch != epoch and self.epoch not in self.retired:
+            self.retired.append(self.epoch)
+        self.epoch = epoch
+
+    def open_gap(self, entry_id: str, head: Envelope) -> Gap:
+        """Stop reading until a snapshot covering everything before ``head`` arrives."""
+        self.gap = Gap(head.epoch, head.seq - 1, entry_id)
+        self.state = State.WAITING
+        return self.gap
+
+    def covered_by(self, snap: Snapshot) -> bool:
+        """Whether ``snap`` can end the current gap (or start a NEW cursor)."""
+        if snap.epoch in self.retired:
+            return False
+        gap = self.gap
+        if gap is None:
+            return True
+        if snap.epoch == gap.epoch:
+            return snap.seq >= gap.seq
+        # A later epoch's snapshot: it must have been taken after the entry that showed the gap.
+        try:
+            return parse_id(snap.stream_id) >= parse_id(gap.entry_id)
+        except ValueError:
+            return False
+
+    def load(self, snap: Snapshot) -> None:
+        """Continue after ``snap``: replay entries after its stream id, expecting seq + 1."""
+        self._switch_epoch(snap.epoch)
+        self.position = snap.stream_id
+        self.next_seq = snap.seq + 1
+        self.gap = None
+        self.state = State.ACTIVE
+
+    def start_without_snapshot(self) -> None:
+        """No snapshot exists: read the stream from its start, accepting only a seq-0 start."""
+        self.position = START_ID
+        self.epoch = None
+        self.next_seq = None
+        self.state = State.ACTIVE

@@ -1,0 +1,491 @@
+"""kvgate's engine core: the one object the live server and the simulator both drive.
+
+Pure (no asyncio, clock, sockets or randomness): callers pass ``now`` (seconds) and read back
+when the next thing happens. The GPU is simulated from the cost profile; the core keeps the
+timeline a real engine would have:
+
+* a *step* is one decode iteration (the policy's decode batch: ``profile.decode_step_ms(B, L)``)
+  followed by some operators of one prefill unit (``engine.costs.prefill_batch_ms``, split into
+  ``2 x layers`` equal operators); step time is the sum (no discount for fusing them, which
+  makes mixed steps slightly pessimistic). A step's results (one token per decoded request, the
+  first token of every prefill it completes) are released together when it ends, as an engine
+  returns a step's sampled tokens together;
+* :meth:`EngineCore.submit` queues a request (or rejects it at once) and may cut the running
+  step at the next operator boundary (preemption), so callers re-read
+  :meth:`EngineCore.next_event_time` after every call;
+* :meth:`EngineCore.advance` completes every step due by ``now`` and plans the next one, which
+  starts where the last one ended (the timeline never absorbs a late caller's lag); after idle
+  time the next step starts at ``now``;
+* what happened comes back as :class:`Output` s (per request: tokens with their times, first
+  token, finish with usage, rejection) and as :mod:`broker.events` payloads
+  (:meth:`EngineCore.drain_events`) for the engine reporter.
+
+Usage accounting: ``cached_tokens`` is the prompt's cached prefix when its prefill started,
+in tokens ``matched_bytes x input_tokens // key_bytes`` (so a trace's stated token counts scale
+it), at most ``input_tokens - 1`` (the last prompt token is always computed, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+from broker.events import (
+    Event,
+    FirstToken,
+    LoadHeartbeat,
+    RequestEnqueued,
+    RequestFinished,
+    RequestPreempted,
+    RequestRejected,
+    RequestStarted,
+)
+from engine.costs import TtftPredictor, prefill_batch_ms
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import make_policy
+from engine.scheduler.state import (
+    EngineRequest,
+    Phase,
+    PrefillUnit,
+    ReqState,
+    SchedulerConfig,
+)
+from kvgate.cost_model import CostProfile
+
+__all__ = ["EngineCore", "EngineRequest", "Output", "SchedulerConfig", "Usage"]
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A finished request's accounting (OpenAI usage plus its measured latencies)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What happened to one request in one step.
+
+    ``times`` are the production times (s) of output tokens ``index, index + 1, ...`` (index 0 is
+    the first token); ``usage`` is set when the request finished with these tokens; ``rejected``
+    is the reason when the engine refused it (then no tokens ever come).
+    """
+
+    request_id: str
+    index: int = 0
+    times: tuple[float, ...] = ()
+    usage: Usage | None = None
+    rejected: str | None = None
+
+    @property
+    def first_token(self) -> bool:
+        return self.index == 0 and bool(self.times)
+
+
+@dataclass(slots=True)
+class _Step:
+    start: float
+    decode: list[ReqState]
+    decode_ms: float
+    unit: PrefillUnit | None
+    ops: int
+    end: float
+
+    @property
+    def prefill_start(self) -> float:
+        return self.start + self.decode_ms / 1000.0
+
+
+@cache
+def _predictor(profile: CostProfile, max_tokens: int) -> TtftPredictor:
+    return TtftPredictor.fit(profile, max_tokens)
+
+
+class EngineCore:
+    """One simulated engine: prefix cache, scheduler and GPU timeline (see module docstring)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        profile: CostProfile,
+        *,
+        policy: str = "slo",
+        config: SchedulerConfig | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.profile = profile
+        self.config = config or SchedulerConfig()
+        self.policy = make_policy(policy)
+        self.predict = _predictor(profile, self.config.predictor_max_tokens)
+        self.cache = PrefixCache(profile.kv_blocks, profile.block_bytes)
+        self.waiting: list[ReqState] = []
+        self.prefilling: list[ReqState] = []
+        self.decoding: list[ReqState] = []
+        self._states: dict[str, ReqState] = {}
+        self._step: _Step | None = None
+        self._running_unit: PrefillUnit | None = None
+        self._wake: float | None = None
+        self._pending: list[Output] = []
+        self._pending_at: float | None = None
+        self._events: list[Event] = []
+        self._seq = 0
+        # Admitted requests' TPOT SLOs, for SCORPIO's VBS: ms -> count, sum 1/ms, sum contexts.
+        self._tpot_counts: dict[float, int] = {}
+        self._inv_tpot_sum = 0.0
+        self._ctx_sum = 0.0
+        self._admitted = 0
+        self.finished = 0
+        self.rejected = 0
+
+    # ------------------------------------------------------------------ driving API
+
+    def submit(self, req: EngineRequest, now: float) -> None:
+        """Queue ``req`` (arrived at ``req.arrival``), or reject it at once (see Output)."""
+        if req.request_id in self._states:
+            raise ValueError(f"request id {req.request_id!r} is already in this engine")
+        if req.input_tokens < 1 or req.output_tokens < 1:
+            raise ValueError("input_tokens and output_tokens must be >= 1")
+        p = self.profile
+        hashes = self.cache.key_hashes(req.key)
+        matched = self.cache.match(hashes)
+        total_blocks = -(-(req.input_tokens + req.output_tokens) // p.block_tokens)
+        self._seq += 1
+        st = ReqState(
+            req=req,
+            seq=self._seq,
+            hashes=hashes,
+            private_blocks=max(total_blocks - len(hashes), 0),
+            cached_tokens=self._cached_tokens(req, matched),
+            hit_ratio=(matched * p.block_bytes / len(req.key)) if req.key else 0.0,
+        )
+        need = len(hashes) + st.private_blocks
+        reason = None
+        if need > p.kv_blocks:
+            reason = (
+                f"request needs {need} KV blocks ({req.input_tokens} prompt + "
+                f"{req.output_tokens} output tokens) but this engine has {p.kv_blocks} in all"
+            )
+        else:
+            reason = self.policy.check_submit(self, st, now)
+        if reason is not None:
+            st.move(Phase.REJECTED)
+            self._events.append(RequestRejected(req.request_id, reason))
+            self._push_output(Output(req.request_id, rejected=reason), now)
+            self.rejected += 1
+            return
+        self._states[req.request_id] = st
+        self.waiting.append(st)
+        slo = req.slo
+        self._events.append(
+            RequestEnqueued(
+                req.request_id,
+                key_bytes=len(req.key),
+                cached_bytes=matched * p.block_bytes,
+                input_tokens=req.input_tokens,
+                max_tokens=req.output_tokens,
+                ttft_slo_ms=slo.ttft_ms,
+                tpot_slo_ms=slo.tpot_ms,
+            )
+        )
+        step = self._step
+        if step is None:
+            self._wake = now if self._wake is None else min(self._wake, now)
+        elif (
+            step.unit is not None
+            and now < step.end
+            and self.policy.preempts(self, st, step.unit, now)
+        ):
+            self._cut(step, now)
+
+    def cancel(self, request_id: str, now: float) -> None:
+        """The client went away: drop the request and free what it holds (no Output)."""
+        st = self._states.pop(request_id, None)
+        if st is None:
+            return
+        if st.phase is Phase.WAITING:
+            self.waiting.remove(st)
+            st.move(Phase.FINISHED)
+            self._events.append(
+                RequestRejected(request_id, "cancelled by the client before it started")
+            )
+            return
+        if st.phase in (Phase.PREFILLING, Phase.PREEMPTED):
+            self.prefilling.remove(st)
+            st.unit = None
+        elif st.phase is Phase.DECODING:
+            self.decoding.remove(st)
+        st.move(Phase.FINISHED)
+        self._release(st, now)
+        if st.first_token_at is None:
+            self._events.append(
+                RequestRejected(request_id, "cancelled by the client before its first token")
+            )
+        else:
+            usage = self._usage(st)
+            self._events.append(
+                RequestFinished(request_id, st.generated, usage.ttft_ms, usage.tpot_ms)
+            )
+
+    def next_event_time(self) -> float | None:
+        """When :meth:`advance` has something to do: the running step's end, a pending
+        rejection, or the start of work after idle time; None when idle."""
+        times = [t for t in (self._pending_at, self._wake) if t is not None]
+        if self._step is not None:
+            times.append(self._step.end)
+        return min(times) if times else None
+
+    def advance(self, now: float) -> list[Output]:
+        """Complete every step due by ``now``, start the next; what happened, in time order."""
+        out, self._pending, self._pending_at = self._pending, [], None
+        while self._step is not None and self._step.end <= now + _EPS:
+            step = self._step
+            self._step = None
+            self._complete(step, out)
+            self._start_step(step.end)
+        if self._step is None and self._wake is not None and self._wake <= now + _EPS:
+            self._wake = None
+            self._start_step(now)
+        if self._pending:  # rejections the policy made while planning
+            out.extend(self._pending)
+            self._pending = []
+        return out
+
+    def drain_events(self) -> list[Event]:
+        """broker.events payloads since the last call, in the order they happened."""
+        out, self._events = self._events, []
+        return out
+
+    def heartbeat(self, url: str, models: tuple[str, ...]) -> LoadHeartbeat:
+        queued = sum(st.prefill_tokens for st in self.waiting) + sum(
+            st.remaining_prefill for st in self.prefilling
+        )
+        return LoadHeartbeat(
+            waiting=len(self.waiting),
+            running=self._admitted,
+            queued_prefill_tokens=queued,
+            kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
+            kv_blocks_total=self.profile.kv_blocks,
+            vbs=self.vbs,
+            profile=self.profile.name,
+            url=url,
+            models=models,
+        )
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def running(self) -> int:
+        """Admitted requests (prefilling, preempted or decoding)."""
+        return self._admitted
+
+    @property
+    def vbs(self) -> float:
+        """SCORPIO's virtual batch size over admitted requests: sum of T_min / TPOT_SLO."""
+        if not self._tpot_counts:
+            return 0.0
+        return min(self._tpot_counts) * self._inv_tpot_sum
+
+    def phase_of(self, request_id: str) -> Phase | None:
+        st = self._states.get(request_id)
+        return st.phase if st is not None else None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    # ------------------------------------------------------------------ SchedView (policies)
+
+    def admissible(self, st: ReqState) -> bool:
+        return self._admitted < self.profile.max_running and self.cache.can_fit(
+            st.hashes, st.private_blocks
+        )
+
+    def admit(self, st: ReqState, now: float) -> bool:
+        if self._admitted >= self.profile.max_running:
+            return False
+        matched = self.cache.reserve(st.request_id, st.hashes, st.private_blocks, now)
+        self._events.extend(self.cache.drain_events())
+        if matched is None:
+            return False
+        st.cached_tokens = self._cached_tokens(st.req, matched)
+        st.move(Phase.PREFILLING)
+        self.waiting.remove(st)
+        self.prefilling.append(st)
+        t = st.req.slo.tpot_ms
+        self._tpot_counts[t] = self._tpot_counts.get(t, 0) + 1
+        self._inv_tpot_sum += 1.0 / t
+        self._ctx_sum += st.mean_context
+        self._admitted += 1
+        self._events.append(RequestStarted(st.request_id))
+        return True
+
+    def reject(self, st: ReqState, reason: str, now: float) -> None:
+        st.move(Phase.REJECTED)
+        self.waiting.remove(st)
+        del self._states[st.request_id]
+        self._events.append(RequestRejected(st.request_id, reason))
+        self._pending.append(Output(st.request_id, rejected=reason))
+        self.rejected += 1
+
+    def make_unit(self, pieces: list[tuple[ReqState, int]], *, preemptible: bool) -> PrefillUnit:
+        full = [
+            (st, n, min(st.cached_tokens, st.req.input_tokens - 1) + st.prefilled)
+            for st, n in pieces
+        ]
+        unit = PrefillUnit(
+            pieces=full,
+            total_ms=prefill_batch_ms(self.profile, [(n, c) for _, n, c in full]),
+            pred_ms=self.predict(sum(n for _, n, _ in full)),
+            ops_total=2 * self.config.layers,
+            preemptible=preemptible,
+        )
+        for st, _, _ in full:
+            st.unit = unit
+        return unit
+
+    def admitted_tpot_stats(self) -> tuple[float | None, float, float, int]:
+        tmin = min(self._tpot_counts) if self._tpot_counts else None
+        return tmin, self._inv_tpot_sum, self._ctx_sum, self._admitted
+
+    # ------------------------------------------------------------------ internals
+
+    def _cached_tokens(self, req: EngineRequest, matched_blocks: int) -> int:
+        if not req.key or matched_blocks == 0:
+            return 0
+        tokens = matched_blocks * self.profile.block_bytes * req.input_tokens // len(req.key)
+        return min(tokens, req.input_tokens - 1)
+
+    def _push_output(self, out: Output, now: float) -> None:
+        self._pending.append(out)
+        if self._pending_at is None:
+            self._pending_at = now
+
+    def _cut(self, step: _Step, now: float) -> None:
+        """Preempt: end the step's prefill slice at the first operator boundary >= now."""
+        unit = step.unit
+        assert unit is not None
+        start = step.prefill_start
+        op_s = unit.op_ms / 1000.0
+        k = 0 if now <= start or op_s <= 0 else math.ceil((now - start) / op_s - _EPS)
+        if k < step.ops:
+            step.ops = k
+            step.end = start + k * op_s
+
+    def _start_step(self, t: float) -> None:
+        plan = self.policy.plan(self, t)
+        prev = self._running_unit
+        if prev is not None and prev is not plan.unit and prev.ops_left > 0:
+            for st in prev.live():
+                if st.phase is Phase.PREFILLING:
+                    st.move(Phase.PREEMPTED)
+                    self._events.append(RequestPreempted(st.request_id))
+        unit = plan.unit
+        if unit is not None:
+            for st in unit.live():
+                if st.phase is Phase.PREEMPTED:
+                    st.move(Phase.PREFILLING)
+        self._running_unit = unit
+        if not plan.decode and (unit is None or plan.prefill_ops <= 0):
+            self._step = None
+            return
+        decode_ms = 0.0
+        if plan.decode:
+            mean_ctx = sum(st.context for st in plan.decode) / len(plan.decode)
+            decode_ms = self.profile.decode_step_ms(len(plan.decode), mean_ctx)
+        prefill_ms = unit.op_ms * plan.prefill_ops if unit is not None else 0.0
+        self._step = _Step(
+            start=t,
+            decode=plan.decode,
+            decode_ms=decode_ms,
+            unit=unit,
+            ops=plan.prefill_ops,
+            end=t + (decode_ms + prefill_ms) / 1000.0,
+        )
+
+    def _complete(self, step: _Step, out: list[Output]) -> None:
+        stream = self.config.stream_outputs
+        t_dec = step.end  # a step's results are released together when it ends
+        for st in step.decode:
+            if st.phase is not Phase.DECODING:
+                continue  # cancelled during the step
+            st.generated += 1
+            st.last_token_at = t_dec
+            done = st.generated >= st.req.output_tokens
+            usage = self._finish(st, t_dec) if done else None
+            if stream or done:
+                out.append(Output(st.request_id, st.generated - 1, (t_dec,), usage))
+        unit = step.unit
+        if unit is None:
+            return
+        unit.ops_done += step.ops
+        if unit.ops_left > 0:
+            return
+        t = step.end
+        for st, n, _ in unit.pieces:
+            if st.unit is not unit:
+                continue  # cancelled
+            st.unit = None
+            st.prefilled += n
+            if st.remaining_prefill > 0:
+                continue  # chunked: more chunks to come
+            self.prefilling.remove(st)
+            self.cache.commit(st.request_id, st.req.key, t)
+            self._events.extend(self.cache.drain_events())
+            st.generated = 1
+            st.first_token_at = st.last_token_at = t
+            self._events.append(FirstToken(st.request_id, (t - st.req.arrival) * 1000.0))
+            if st.req.output_tokens <= 1:
+                out.append(Output(st.request_id, 0, (t,), self._finish(st, t)))
+                continue
+            st.move(Phase.DECODING)
+            st.credit = 0.0
+            self.decoding.append(st)
+            out.append(Output(st.request_id, 0, (t,)))
+        if self._running_unit is unit:
+            self._running_unit = None
+
+    def _usage(self, st: ReqState) -> Usage:
+        first = st.first_token_at if st.first_token_at is not None else st.req.arrival
+        last = st.last_token_at if st.last_token_at is not None else first
+        tpot = (last - first) * 1000.0 / (st.generated - 1) if st.generated > 1 else 0.0
+        return Usage(
+            prompt_tokens=st.req.input_tokens,
+            completion_tokens=st.generated,
+            cached_tokens=st.cached_tokens,
+            ttft_ms=(first - st.req.arrival) * 1000.0,
+            tpot_ms=tpot,
+        )
+
+    def _finish(self, st: ReqState, t: float) -> Usage:
+        if st.phase is Phase.DECODING:
+            self.decoding.remove(st)
+        st.move(Phase.FINISHED)
+        self._states.pop(st.request_id, None)
+        self._release(st, t)
+        usage = self._usage(st)
+        self._events.append(
+            RequestFinished(st.request_id, st.generated, usage.ttft_ms, usage.tpot_ms)
+        )
+        self.finished += 1
+        return usage
+
+    def _release(self, st: ReqState, now: float) -> None:
+        """Give back an admitted request's KV and its share of the VBS statistics."""
+        if not self.cache.holds(st.request_id):
+            return
+        self.cache.release(st.request_id, now)
+        t = st.req.slo.tpot_ms
+        left = self._tpot_counts[t] - 1
+        if left:
+            self._tpot_counts[t] = left
+        else:
+            del self._tpot_counts[t]
+        self._inv_tpot_sum = max(self._inv_tpot_sum - 1.0 / t, 0.0) if self._tpot_counts else 0.0
+        self._ctx_sum = max(self._ctx_sum - st.mean_context, 0.0) if self._tpot_counts else 0.0
+        self._admitted -= 1

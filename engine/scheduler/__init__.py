@@ -1,0 +1,46 @@
+"""Scheduling policies of kvgate's engine: one file per policy, this registry the only list.
+
+Add a policy: one module with a class whose ``name`` is its file name (the :class:`Policy`
+protocol in :mod:`engine.scheduler.base`), one line in :data:`POLICIES`, one test file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.scheduler.base import Policy, SchedView
+from engine.scheduler.fcfs import FcfsPolicy
+from engine.scheduler.preble import PreblePolicy
+from engine.scheduler.slo import SloPolicy
+from engine.scheduler.state import (
+    PrefillUnit,
+    ReqState,
+    SchedulerConfig,
+    StepPlan,
+)
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "slo": SloPolicy,
+    "fcfs": FcfsPolicy,
+    "preble": PreblePolicy,
+}
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy by registry key; ValueError naming the known ones otherwise."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
+
+
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "PrefillUnit",
+    "ReqState",
+    "SchedView",
+    "SchedulerConfig",
+    "StepPlan",
+    "make_policy",
+]

@@ -1,0 +1,67 @@
+"""The one small interface every scheduling policy implements, and what the core shows it.
+
+A policy decides *what runs* in the next step (:meth:`Policy.plan`), whether a new arrival is
+refused outright (:meth:`Policy.check_submit`) and whether it should interrupt the running
+prefill (:meth:`Policy.preempts`). *How long* a step takes comes from the cost profile and
+*when* it ends is the core's business (:mod:`engine.core`): policies never see a clock.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.costs import TtftPredictor
+from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
+from kvgate.cost_model import CostProfile
+
+
+class SchedView(Protocol):
+    """The engine state a policy reads, and the few actions it may take (the core implements)."""
+
+    profile: CostProfile
+    config: SchedulerConfig
+    predict: TtftPredictor
+    waiting: list[ReqState]  # in arrival order
+    prefilling: list[ReqState]  # admitted, prompt not fully prefilled, in admission order
+    decoding: list[ReqState]  # in order of their first token
+
+    def admissible(self, st: ReqState) -> bool:
+        """Whether ``st`` fits in KV memory and the running limit now (no side effects)."""
+        ...
+
+    def admit(self, st: ReqState, now: float) -> bool:
+        """Reserve KV for ``st`` and move it waiting -> prefilling; False if it does not fit."""
+        ...
+
+    def reject(self, st: ReqState, reason: str, now: float) -> None:
+        """Refuse a waiting request (it gets a 429 with ``reason``)."""
+        ...
+
+    def make_unit(self, pieces: list[tuple[ReqState, int]], *, preemptible: bool) -> PrefillUnit:
+        """A prefill unit of ``(request, new_tokens)`` pieces, costed from the profile; each piece
+        continues where its request's prefill stopped (its context includes the cached prefix)."""
+        ...
+
+    def admitted_tpot_stats(self) -> tuple[float | None, float, float, int]:
+        """Over admitted requests: (tightest TPOT SLO ms or None, sum of 1/TPOT SLO,
+        sum of mean contexts, count), for SCORPIO's VBS."""
+        ...
+
+
+class Policy(Protocol):
+    """A scheduling policy; ``name`` is its registry key and its file name."""
+
+    name: str
+
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
+        """A reason to reject ``st`` at once, or None to queue it."""
+        ...
+
+    def plan(self, view: SchedView, now: float) -> StepPlan:
+        """The next step (an empty plan when there is nothing to run)."""
+        ...
+
+    def preempts(self, view: SchedView, st: ReqState, running: PrefillUnit, now: float) -> bool:
+        """Whether the new arrival ``st`` should interrupt ``running`` at its next operator
+        boundary."""
+        ...

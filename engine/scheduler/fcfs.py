@@ -1,0 +1,25 @@
+"""``fcfs``: the vLLM-like baseline.
+
+First come, first served admission; chunked prefill under a token budget mixed with decoding
+(:mod:`engine.scheduler.chunked`); every decoding request decodes every step; no SLO awareness:
+nothing is rejected for its SLO and nothing is preempted.
+"""
+
+from __future__ import annotations
+
+from engine.scheduler.base import SchedView
+from engine.scheduler.chunked import chunked_step
+from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
+
+
+class FcfsPolicy:
+    name = "fcfs"
+
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
+        return None
+
+    def plan(self, view: SchedView, now: float) -> StepPlan:
+        return chunked_step(view, now, list(view.waiting))
+
+    def preempts(self, view: SchedView, st: ReqState, running: PrefillUnit, now: float) -> bool:
+        return False

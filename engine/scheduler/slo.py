@@ -1,0 +1,209 @@
+"""``slo`` (default): FlowPrefill's prefill scheduling with SCORPIO's TPOT guard for decode.
+
+Prefill (FlowPrefill, arXiv 2602.16603), event-driven: a decision at every step boundary, which
+includes every arrival-triggered preemption and every prefill completion.
+
+* S-EDF: ``deadline = arrival + TTFT_SLO``;
+  ``slack = (deadline - now) - max(pred_ttft(tokens) - executed, 0)``;
+  ``priority = sign(slack) / deadline``, highest first: feasible requests earliest deadline
+  first, infeasible ones after them (latest deadline first, as the formula orders negatives).
+  With ``reject_infeasible`` (default) a *waiting* request whose slack is negative is rejected.
+* SLO-aware batching: around the head H (the best admissible waiting request), add waiting
+  requests in priority order while the batch's new tokens stay within G (``token_budget``) and
+  ``time_left(H) - pred_ttft(total) >= min_slack_frac x TTFT_SLO(H)``; no batching when H
+  alone exceeds G or has less than that fraction of its SLO in hand.
+* Preemption: a prefill batch runs as ``2 x layers`` equal operators; an arrival with a higher
+  priority cuts it at the next operator boundary; the paused batch keeps its progress and
+  resumes from there when it is again the best unit.
+* Chunked prefill: prompts longer than ``chunk_tokens`` prefill one chunk at a time, each chunk
+  its own unit (a chunk after the first sees the earlier ones as context).
+* TTFT predictor: the cubic fit of :class:`engine.costs.TtftPredictor`.
+
+Decode (SCORPIO, arXiv 2505.23022):
+
+* credits: each step every decoding request adds ``TRP = T_min / TPOT_SLO`` (T_min the tightest
+  TPOT SLO decoding); those with credit >= 1 join the batch and pay 1, so the tightest class
+  decodes every step and a request's decode share converges to its TRP;
+* VBS admission: a waiting request may start only if ``EstTPOT(VBS', L') x 1.3 < 0.99 x T_min'``
+  over the admitted requests plus it, ``VBS' = sum TRP``, ``EstTPOT = profile.decode_step_ms``,
+  ``L'`` the mean of ``input + output/2``; otherwise it waits (and is rejected once its TTFT
+  can no longer be met).
+
+Sharing the GPU: a step is one decode iteration (the credit batch) followed by a slice of the
+chosen prefill unit; while anything decodes, the slice is cut to whole operators so that the
+step lasts at most ``tpot_guard x T_min`` (at least one operator), which keeps every decoding
+request within its TPOT SLO when VBS admission holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.scheduler.base import SchedView
+from engine.scheduler.state import Phase, PrefillUnit, ReqState, StepPlan
+
+Key = tuple[int, float, int]
+
+
+class SloPolicy:
+    name = "slo"
+
+    # ------------------------------------------------------------------ interface
+
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
+        pred_ms = view.predict(min(st.prefill_tokens, view.config.chunk_tokens))
+        pred_ms += view.predict(max(st.prefill_tokens - view.config.chunk_tokens, 0))
+        slo = st.req.slo
+        if now + pred_ms / 1000.0 > st.deadline:
+            return (
+                f"TTFT SLO of {slo.ttft_ms:g} ms cannot be met: prefilling "
+                f"{st.prefill_tokens} uncached prompt tokens alone takes about {pred_ms:.0f} ms "
+                "on this engine"
+            )
+        cfg = view.config
+        step_ms = view.profile.decode_step_ms(1, st.mean_context)
+        if step_ms * cfg.vbs_safety >= cfg.vbs_margin * slo.tpot_ms:
+            return (
+                f"TPOT SLO of {slo.tpot_ms:g} ms cannot be met: one decode step of this request "
+                f"alone takes about {step_ms:.1f} ms (x{cfg.vbs_safety:g} safety) on this engine"
+            )
+        return None
+
+    def plan(self, view: SchedView, now: float) -> StepPlan:
+        if view.config.reject_infeasible:
+            self._reject_late(view, now)
+        decode, tmin = self._credit_batch(view)
+        unit = self._choose_unit(view, now)
+        if unit is None:
+            return StepPlan(decode, None, 0)
+        ops = unit.ops_left
+        if tmin is not None:
+            mean_ctx = sum(st.context for st in decode) / len(decode) if decode else 0.0
+            decode_ms = view.profile.decode_step_ms(len(decode), mean_ctx)
+            slice_ms = view.config.tpot_guard * tmin - decode_ms
+            if unit.op_ms > 0:
+                ops = min(max(math.floor(slice_ms / unit.op_ms), 1), unit.ops_left)
+        return StepPlan(decode, unit, ops)
+
+    def preempts(self, view: SchedView, st: ReqState, running: PrefillUnit, now: float) -> bool:
+        if not running.preemptible or not self._startable(view, st):
+            return False
+        return self._key(view, st, now) < self._unit_key(view, running, now)
+
+    # ------------------------------------------------------------------ priorities
+
+    def _key(self, view: SchedView, st: ReqState, now: float) -> Key:
+        """Sort key of a waiting request: lower runs first (S-EDF)."""
+        slack = st.deadline - now - view.predict(st.prefill_tokens) / 1000.0
+        if slack >= 0:
+            return (0, st.deadline, st.seq)
+        return (1, -st.deadline, st.seq)
+
+    def _unit_key(self, view: SchedView, unit: PrefillUnit, now: float) -> Key:
+        """A unit runs at the priority of its best member."""
+        left_ms = max(unit.pred_ms - unit.executed_ms, 0.0)
+        best: Key = (2, 0.0, 0)
+        for st, n, _ in unit.pieces:
+            if st.unit is not unit:
+                continue
+            after = st.remaining_prefill - n  # chunks still to come after this unit
+            slack = st.deadline - now - (left_ms + view.predict(after)) / 1000.0
+            key = (0, st.deadline, st.seq) if slack >= 0 else (1, -st.deadline, st.seq)
+            best = min(best, key)
+        return best
+
+    def _reject_late(self, view: SchedView, now: float) -> None:
+        for st in list(view.waiting):
+            pred_ms = view.predict(st.prefill_tokens)
+            if st.deadline - now - pred_ms / 1000.0 < 0:
+                waited = (now - st.req.arrival) * 1000.0
+                why = {
+                    "vbs": " while waiting for decode capacity (TPOT guard)",
+                    "kv": " while waiting for KV memory",
+                }.get(st.blocked_by, " behind higher-priority requests")
+                view.reject(
+                    st,
+                    f"TTFT SLO of {st.req.slo.ttft_ms:g} ms can no longer be met: queued "
+                    f"{waited:.0f} ms{why}, prefill needs about {pred_ms:.0f} ms",
+                    now,
+                )
+
+    # ------------------------------------------------------------------ decode
+
+    def _credit_batch(self, view: SchedView) -> tuple[list[ReqState], float | None]:
+        if not view.decoding:
+            return [], None
+        tmin = min(st.req.slo.tpot_ms for st in view.decoding)
+        batch = []
+        for st in view.decoding:
+            st.credit += tmin / st.req.slo.tpot_ms
+            if st.credit >= 1.0 - 1e-9:
+                st.credit -= 1.0
+                batch.append(st)
+        return batch, tmin
+
+    def _vbs_ok(self, view: SchedView, st: ReqState) -> bool:
+        tmin, inv_sum, ctx_sum, count = view.admitted_tpot_stats()
+        t = st.req.slo.tpot_ms
+        tmin2 = t if tmin is None else min(tmin, t)
+        vbs = tmin2 * (inv_sum + 1.0 / t)
+        mean_ctx = (ctx_sum + st.mean_context) / (count + 1)
+        cfg = view.config
+        return view.profile.decode_step_ms(vbs, mean_ctx) * cfg.vbs_safety < cfg.vbs_margin * tmin2
+
+    def _startable(self, view: SchedView, st: ReqState) -> bool:
+        if not self._vbs_ok(view, st):
+            st.blocked_by = "vbs"
+            return False
+        if not view.admissible(st):
+            st.blocked_by = "kv"
+            return False
+        return True
+
+    # ------------------------------------------------------------------ prefill
+
+    def _choose_unit(self, view: SchedView, now: float) -> PrefillUnit | None:
+        cfg = view.config
+        best_unit: PrefillUnit | None = None
+        best_unit_key: Key = (3, 0.0, 0)
+        for st in view.prefilling:
+            unit = st.unit
+            if unit is None:  # between chunks: its next chunk becomes a unit of its own
+                n = min(st.remaining_prefill, cfg.chunk_tokens)
+                unit = view.make_unit([(st, n)], preemptible=True)
+            key = self._unit_key(view, unit, now)
+            if key < best_unit_key:
+                best_unit, best_unit_key = unit, key
+        ranked = sorted(view.waiting, key=lambda r: self._key(view, r, now))
+        for i, head in enumerate(ranked):
+            if self._key(view, head, now) >= best_unit_key:
+                break  # the best paused or running unit outranks every waiting request left
+            if not self._startable(view, head):
+                continue
+            return self._batch(view, head, ranked[i + 1 :], now)
+        return best_unit
+
+    def _batch(
+        self, view: SchedView, head: ReqState, rest: list[ReqState], now: float
+    ) -> PrefillUnit:
+        """FlowPrefill's SLO-aware batching around ``head`` (admits every member)."""
+        cfg = view.config
+        if not view.admit(head, now):  # _startable said it fits; nothing changed since
+            raise RuntimeError(f"request {head.request_id} was admissible but admit failed")
+        first = min(head.prefill_tokens, cfg.chunk_tokens)
+        pieces = [(head, first)]
+        total = first
+        time_left_ms = (head.deadline - now) * 1000.0
+        reserve_ms = cfg.min_slack_frac * head.req.slo.ttft_ms
+        if total <= cfg.token_budget and time_left_ms - view.predict(total) >= reserve_ms:
+            for st in rest:
+                if st.phase is not Phase.WAITING or st.prefill_tokens > cfg.chunk_tokens:
+                    continue
+                n = total + st.prefill_tokens
+                if n > cfg.token_budget or time_left_ms - view.predict(n) < reserve_ms:
+                    continue
+                if not self._startable(view, st) or not view.admit(st, now):
+                    continue
+                pieces.append((st, st.prefill_tokens))
+                total = n
+        return view.make_unit(pieces, preemptible=True)

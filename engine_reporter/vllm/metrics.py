@@ -1,0 +1,134 @@
+"""vLLM's Prometheus ``/metrics`` to a kvgate load heartbeat. Pure: the bridge fetches the text.
+
+vLLM pushes cache changes but not load, so the bridge polls ``/metrics`` (every 200 ms by default)
+and maps it to :class:`~broker.events.LoadHeartbeat`:
+
+* ``waiting`` / ``running``: ``vllm:num_requests_waiting`` / ``vllm:num_requests_running``
+  (summed over the engine's series: several model names or engine cores);
+* ``kv_blocks_total``: ``num_gpu_blocks`` of ``vllm:cache_config_info`` (else the cost profile's);
+  ``kv_blocks_used``: that times ``vllm:kv_cache_usage_perc`` (older: ``gpu_cache_usage_perc``),
+  a fraction in [0, 1];
+* ``queued_prefill_tokens``: vLLM does not export the prompt lengths of waiting requests, so it is
+  estimated as ``waiting x mean prompt tokens x (1 - prefix hit rate)``, from the
+  ``vllm:request_prompt_tokens`` histogram and the ``vllm:prefix_cache_hits`` / ``_queries``
+  counters (0 before the first finished request);
+* ``vbs``: vLLM has no TPOT classes, so every running request weighs 1 (SCORPIO's TRP with one
+  class) and the virtual batch size is ``running``.
+
+``process_start_time_seconds`` (when exported) reveals a vLLM restart; the bridge uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.events import LoadHeartbeat
+
+
+class MetricsError(ValueError):
+    """Text that is not Prometheus exposition format."""
+
+
+@dataclass(frozen=True, slots=True)
+class VllmLoad:
+    """The figures of one ``/metrics`` scrape that routing needs."""
+
+    waiting: int
+    running: int
+    kv_usage: float | None  # fraction of KV blocks in use, 0..1
+    kv_blocks_total: int | None
+    block_size: int | None
+    mean_prompt_tokens: float | None
+    prefix_hit_rate: float | None
+    prefix_cache_hits: float
+    prefix_cache_queries: float
+    process_start_time: float | None
+
+
+def _finite(v: float) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def parse_metrics(text: str) -> VllmLoad:
+    """Read the figures from Prometheus text; missing ones are None (or 0 for counts)."""
+    sums: dict[str, float] = {}
+    info: Mapping[str, str] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not _finite(sample.value):
+                    continue
+                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+                if sample.name == "vllm:cache_config_info" and not info:
+                    info = sample.labels
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsError(f"not Prometheus text: {exc}") from exc
+
+    def opt_int(label: str) -> int | None:
+        raw = info.get(label)
+        try:
+            n = int(float(raw)) if raw not in (None, "", "None") else None
+        except ValueError:
+            return None
+        return n if n is not None and n > 0 else None
+
+    usage = sums.get("vllm:kv_cache_usage_perc", sums.get("vllm:gpu_cache_usage_perc"))
+    if usage is not None:
+        usage = min(max(usage, 0.0), 1.0)
+    count = sums.get("vllm:request_prompt_tokens_count", 0.0)
+    mean_prompt = sums["vllm:request_prompt_tokens_sum"] / count if count > 0 else None
+    hits = sums.get("vllm:prefix_cache_hits_total", 0.0)
+    queries = sums.get("vllm:prefix_cache_queries_total", 0.0)
+    return VllmLoad(
+        waiting=max(0, round(sums.get("vllm:num_requests_waiting", 0.0))),
+        running=max(0, round(sums.get("vllm:num_requests_running", 0.0))),
+        kv_usage=usage,
+        kv_blocks_total=opt_int("num_gpu_blocks"),
+        block_size=opt_int("block_size"),
+        mean_prompt_tokens=mean_prompt,
+        prefix_hit_rate=min(hits / queries, 1.0) if queries > 0 else None,
+        prefix_cache_hits=hits,
+        prefix_cache_queries=queries,
+        process_start_time=sums.get("process_start_time_seconds"),
+    )
+
+
+def build_heartbeat(
+    load: VllmLoad,
+    *,
+    url: str,
+    models: tuple[str, ...],
+    profile: str,
+    fallback_blocks: int,
+) -> LoadHeartbeat:
+    """The heartbeat for one scrape (see the module docstring for each field)."""
+    total = load.kv_blocks_total or fallback_blocks
+    used = round((load.kv_usage or 0.0) * total)
+    queued = 0
+    if load.waiting and load.mean_prompt_tokens:
+        miss = 1.0 - (load.prefix_hit_rate or 0.0)
+        queued = round(load.waiting * load.mean_prompt_tokens * miss)
+    return LoadHeartbeat(
+        waiting=load.waiting,
+        running=load.running,
+        queued_prefill_tokens=queued,
+        kv_blocks_used=min(used, total),
+        kv_blocks_total=total,
+        vbs=float(load.running),
+        profile=profile,
+        url=url,
+        models=models,
+    )
+
+
+def served_models(body: object) -> tuple[str, ...]:
+    """Model names from an OpenAI ``/v1/models`` body (``data[].id``)."""
+    data = body.get("data") if isinstance(body, Mapping) else None
+    if not isinstance(data, list):
+        return ()
+    names = [m.get("id") for m in data if isinstance(m, Mapping)]
+    return tuple(n for n in names if isinstance(n, str) and n)

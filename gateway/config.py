@@ -1,0 +1,83 @@
+"""The gateway's configuration: one frozen dataclass built once by the CLI (or a test).
+
+Pure: parsing ``--engine ID=URL[,MODEL...]`` and ``--chat-template [MODEL=]PATH`` lives here so the
+CLI, the demo and tests build the same :class:`GatewayConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StaticEngine:
+    """An engine configured by hand (``--engine``); its models are discovered when not given."""
+
+    engine_id: str
+    url: str
+    models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Passive ejection: open after ``failures`` consecutive failures, probe after a cooldown
+    that doubles on every failed probe up to ``max_cooldown_s``."""
+
+    failures: int = 3
+    cooldown_s: float = 2.0
+    max_cooldown_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything the proxy needs; durations in seconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 8 * MiB
+    connect_timeout_s: float = 2.0
+    idle_timeout_s: float = 120.0  # no upstream byte for this long: give up (stream or not)
+    route_timeout_s: float = 1.0  # a router that does not answer in time counts as unavailable
+    max_retries: int = 2  # extra attempts on another engine (connection failure / 5xx)
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    refresh_interval_s: float = 1.0  # how often the router's engine list is re-read
+    drain_timeout_s: float = 30.0  # graceful shutdown: how long open streams may finish
+    debug_header: bool = False  # always add x-kvgate-route (else only on x-kvgate-debug: 1)
+    admin_token: str | None = None
+    access_log: bool = True
+    static_engines: tuple[StaticEngine, ...] = ()
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    default_max_tokens: int = 256  # routing estimate when a request states no max_tokens
+    bytes_per_token: float = 4.0  # routing estimate of input tokens from key bytes
+
+
+def _check_url(url: str, what: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{what}: {url!r} is not an http(s) URL")
+    return url.rstrip("/")
+
+
+def parse_engine_spec(spec: str) -> StaticEngine:
+    """``ID=URL[,MODEL...]`` -> :class:`StaticEngine` (ValueError with the reason if invalid)."""
+    engine_id, sep, rest = spec.partition("=")
+    if not sep or not engine_id.strip() or not rest.strip():
+        raise ValueError(f"--engine {spec!r}: expected ID=URL[,MODEL...]")
+    url, *models = (p.strip() for p in rest.split(","))
+    return StaticEngine(
+        engine_id.strip(), _check_url(url, f"--engine {engine_id}"), tuple(m for m in models if m)
+    )
+
+
+def parse_template_spec(spec: str) -> tuple[str | None, str]:
+    """``[MODEL=]PATH`` -> (model or None for every model, path)."""
+    model, sep, path = spec.partition("=")
+    if not sep:
+        return None, spec
+    if not model or not path:
+        raise ValueError(f"--chat-template {spec!r}: expected [MODEL=]PATH")
+    return model, path

@@ -1,0 +1,147 @@
+"""Where the gateway's routing service comes from: the router embedded in-process on a broker
+URL (default: the in-process memory broker), or a remote ``kvgate router`` over HTTP.
+
+Both give a :class:`router.api.RoutingService`; the embedded one also gives broker health and lag
+(for ``kvgate_gateway_broker_lag_seconds`` and degraded mode) and takes admin drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import random
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.app import DrainHook, StatsProvider
+from gateway.config import StaticEngine
+from router.api import RoutingService
+
+BROKER_PING_TIMEOUT_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingOptions:
+    router_url: str | None = None
+    broker_url: str = "memory://"
+    broker_prefix: str = "kvgate:"
+    policy: str = "e2"
+    seed: int = 0
+    static_engines: tuple[StaticEngine, ...] = ()
+    router_config: Mapping[str, Any] = field(default_factory=dict)  # extra RouterConfig fields
+
+
+@dataclass(slots=True)
+class RoutingHandle:
+    service: RoutingService
+    description: str
+    stats: StatsProvider | None = None
+    on_drain: DrainHook | None = None
+    router: Any = None  # the embedded router.core.Router, for the demo's state table
+    broker: Any = None
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def embedded_stats(service: Any, broker: Any) -> StatsProvider:
+    """Broker health (the router's consumer connection and a bounded ping) and lag (the
+    consumer's, from ``EmbeddedRouter.state()``)."""
+
+    async def stats() -> dict[str, Any]:
+        lag = None
+        ok = True
+        try:
+            b = service.state().get("broker") or {}
+            lag = b.get("lag_s")
+            ok = bool(b.get("connected", True))
+        except Exception:
+            pass
+        try:
+            async with asyncio.timeout(BROKER_PING_TIMEOUT_S):
+                await broker.ping()
+        except Exception:
+            ok = False
+        return {"broker_ok": ok, "broker_lag_s": lag}
+
+    return stats
+
+
+def build_router(policy: str, seed: int, extra: Mapping[str, Any]) -> Any:
+    """A ``router.core.Router`` with ``policy`` (and any other RouterConfig fields)."""
+    from router.core import Router, RouterConfig
+
+    return Router(RouterConfig(policy=policy, **dict(extra)), random.Random(seed))
+
+
+@asynccontextmanager
+async def open_routing(options: RoutingOptions) -> AsyncIterator[RoutingHandle]:
+    """Open the routing service the options describe; closes everything on exit."""
+    if options.router_url:
+        from router.client import RemoteRouter
+
+        remote = RemoteRouter(options.router_url)
+        if hasattr(remote, "start"):
+            await _maybe_await(remote.start())
+        try:
+            yield RoutingHandle(remote, f"remote {options.router_url}")
+        finally:
+            if hasattr(remote, "close"):
+                await _maybe_await(remote.close())
+        return
+
+    import broker as broker_mod
+
+    broker = await broker_mod.connect(options.broker_url, prefix=options.broker_prefix)
+    try:
+        async with embedded_routing(
+            broker,
+            policy=options.policy,
+            seed=options.seed,
+            static_engines=options.static_engines,
+            router_config=options.router_config,
+            description=f"embedded {options.policy} on {options.broker_url}",
+        ) as handle:
+            yield handle
+    finally:
+        await broker.close()
+
+
+@asynccontextmanager
+async def embedded_routing(
+    broker: Any,
+    *,
+    policy: str = "e2",
+    seed: int = 0,
+    static_engines: tuple[StaticEngine, ...] = (),
+    router_config: Mapping[str, Any] | None = None,
+    description: str = "embedded",
+) -> AsyncIterator[RoutingHandle]:
+    """``router.core.Router`` + ``router.service.EmbeddedRouter`` on an open broker (the caller
+    owns the broker: the demo shares one in-process broker with its engines)."""
+    from router.service import EmbeddedRouter
+
+    router = build_router(policy, seed, router_config or {})
+    for s in static_engines:
+        router.add_static_engine(s.engine_id, s.url, s.models)
+    service = EmbeddedRouter(router, broker)
+    on_drain: Callable[[str, bool], None] = router.set_draining
+    try:
+        if hasattr(service, "start"):
+            await _maybe_await(service.start())
+        yield RoutingHandle(
+            service,
+            description,
+            stats=embedded_stats(service, broker),
+            on_drain=on_drain,
+            router=router,
+            broker=broker,
+        )
+    finally:
+        if hasattr(service, "close"):
+            with contextlib.suppress(Exception):
+                await _maybe_await(service.close())

@@ -1,0 +1,636 @@
+"""Cluster state folded from broker events and the router's own decisions. Pure: takes ``now``.
+
+What it keeps and why:
+
+* engines: liveness by heartbeat TTL (router receipt time, so engine clock skew does not
+  matter), epoch, cost profile, the latest :class:`LoadHeartbeat` (also how an engine's URL and
+  models are learned), draining, static;
+* the cache map (:class:`router.tree.RadixTree`) and the router's own speculative/approximate
+  entries (:class:`Speculative`): a routed key counts as cached on its engine at once, for a
+  short TTL on engines that report KV events (so a burst of one prefix is not explored N times)
+  or a long one on engines that do not (approximate mode);
+* in-flight requests, recorded at routing time and released by the engine's RequestFinished or
+  RequestRejected (matched by request id), the gateway's ``report``, or a timeout;
+* sliding windows (3 minutes by default): per engine, the work routed there (Preble's L: prefill
+  of missed tokens, output tokens to be multiplied by the engine's TPOT), per prefix group and
+  engine (what E2 moves), per prefix group the TTFTs (hot-prefix detection); 30 s of matched
+  vs. key bytes per engine (prefill/decode balance);
+* TPOT: median of each engine's last 200 measured TPOTs, seeded at 150 ms.
+
+Policies see it through :class:`View` (read-only) and immutable :class:`EngineView` snapshots,
+rebuilt only for engines whose state changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from statistics import median
+
+from broker.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    FirstToken,
+    LoadHeartbeat,
+    RequestEnqueued,
+    RequestFinished,
+    RequestPreempted,
+    RequestRejected,
+    RequestStarted,
+)
+from engine_reporter.hashing import block_hash
+from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
+from router.api import EngineInfo, RouteRequest
+from router.policies.base import EngineView, GroupLoad, Move, Rng
+from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
+from router.tree import Match, RadixTree
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Windows, TTLs and budgets of the cluster state (seconds, bytes)."""
+
+    window_s: float = 180.0  # Preble's load and prefix-statistics window
+    hit_window_s: float = 30.0  # prefill/decode balance window
+    heartbeat_ttl_s: float = 15.0  # an engine with no heartbeat for this long is dead
+    inflight_timeout_s: float = 600.0  # forget a routed request nobody reported on
+    tree_budget_bytes: int = 1 << 30
+    speculative_ttl_s: float = 10.0  # routed key assumed cached on a reporting engine
+    approximate_ttl_s: float = 600.0  # ... on an engine without KV events (approximate mode)
+    approximate: bool = False  # treat every engine as reporter-less (tree from decisions)
+    speculative_max_entries: int = 100_000
+    group_bytes: int = 1024  # prefix group = hash of the key's first bytes
+    tpot_samples: int = 200
+    tpot_seed_ms: float = 150.0
+    default_profile: str = "mistral-7b-a6000"
+
+
+@dataclass(slots=True)
+class _Inflight:
+    engine_id: str
+    t: float
+    group: int
+    missed_tokens: int
+    pending: bool = True  # not yet seen in the engine's queue
+    first_token: bool = False
+
+
+@dataclass(slots=True)
+class _Engine:
+    """Mutable per-engine state (cluster-internal; policies get :class:`EngineView`)."""
+
+    engine_id: str
+    profile: CostProfile
+    url: str = ""
+    models: tuple[str, ...] = ()
+    epoch: str = ""
+    static: bool = False
+    draining: bool = False
+    heartbeat: LoadHeartbeat | None = None
+    last_heartbeat: float = -1e18
+    reports_kv: bool = False
+    inflight: int = 0
+    pending_prefill_tokens: int = 0
+    routed_total: int = 0
+    load_prefill_ms: float = 0.0
+    load_out_tokens: float = 0.0
+    groups: dict[int, list] = field(default_factory=dict)  # group -> [prefill, out, n, deque]
+    tpots: deque = field(default_factory=deque)
+    tpot_ms: float = 150.0
+    hit_matched: int = 0
+    hit_total: int = 0
+    view: EngineView | None = None
+
+    def alive(self, now: float, ttl: float) -> bool:
+        return bool(self.url) and (self.static or now - self.last_heartbeat <= ttl)
+
+    def serves(self, model: str) -> bool:
+        return not model or not self.models or model in self.models
+
+
+class Speculative:
+    """Keys the router routed, counted as cached on their engine until they expire.
+
+    A reference-counted :class:`RadixTree` plus a heap of expiries; bounded by ``max_entries``
+    (the earliest-expiring go first)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.tree = RadixTree(budget_bytes=1 << 62)
+        self._heap: list[tuple[float, int, str, bytes]] = []
+        self._seq = 0
+        self.max_entries = max_entries
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, engine: str, key: bytes, expires: float, now: float) -> None:
+        if not key:
+            return
+        self.tree.add_key(engine, key, now)
+        self._seq += 1
+        heapq.heappush(self._heap, (expires, self._seq, engine, key))
+        while len(self._heap) > self.max_entries:
+            _, _, e, k = heapq.heappop(self._heap)
+            self.tree.drop_key(e, k)
+
+    def expire(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, engine, key = heapq.heappop(heap)
+            self.tree.drop_key(engine, key)
+
+    def clear_engine(self, engine: str) -> None:
+        keep = []
+        for item in self._heap:
+            if item[2] == engine:
+                self.tree.drop_key(engine, item[3])
+            else:
+                keep.append(item)
+        heapq.heapify(keep)
+        self._heap = keep
+
+
+class Cluster:
+    """Everything the router knows; see the module docstring."""
+
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        c = self.config
+        self.tree = RadixTree(budget_bytes=c.tree_budget_bytes, idle_ttl_s=c.window_s)
+        self.tree.hit_tau_s = c.window_s
+        self.spec = Speculative(c.speculative_max_entries)
+        self.engines: dict[str, _Engine] = {}
+        self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
+        self._load: deque[list] = deque()  # [t, engine, group, prefill_ms, out_tokens]
+        self._ttfts: dict[int, deque] = {}  # group -> (t, ttft_ms)
+        self._ttft_order: deque[tuple[float, int]] = deque()
+        self._hits: deque[tuple[float, str, int, int]] = deque()  # (t, engine, matched, key len)
+        self._next_sweep = 0.0
+        self._eligible: dict[str, tuple[dict[str, _Engine], float, int]] = {}
+        self._membership = 0  # bumped whenever the eligible sets may change
+        self._overrides: dict[int, tuple[str, float]] = {}
+        self._replicas: dict[int, tuple[frozenset[str], float]] = {}
+        self.events: dict[str, int] = {}
+        self.unknown_profiles = 0
+        self.moves = 0
+        self.replications = 0
+        self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
+
+    # ------------------------------------------------------------------ engines
+
+    def _engine(self, engine_id: str) -> _Engine:
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            eng = _Engine(engine_id, self._profile(self.config.default_profile))
+            eng.tpot_ms = self.config.tpot_seed_ms
+            self.engines[engine_id] = eng
+        return eng
+
+    def _profile(self, name: str) -> CostProfile:
+        try:
+            return load_profile(name)
+        except ProfileError:
+            self.unknown_profiles += 1
+            return default_profile()
+
+    def add_static_engine(
+        self, engine_id: str, url: str, models: Iterable[str], profile: str
+    ) -> None:
+        eng = self._engine(engine_id)
+        eng.static = True
+        eng.url = url
+        eng.models = tuple(models)
+        eng.profile = self._profile(profile)
+        eng.view = None
+        self._membership += 1
+
+    def set_draining(self, engine_id: str, draining: bool) -> None:
+        eng = self._engine(engine_id)
+        eng.draining = draining
+        eng.view = None
+        self._membership += 1
+
+    def reset_engine(self, engine_id: str, now: float) -> None:
+        """Forget what ``engine_id`` caches (its events will rebuild it)."""
+        self.tree.clear_engine(engine_id)
+        self.spec.clear_engine(engine_id)
+        eng = self.engines.get(engine_id)
+        if eng is not None:
+            eng.view = None
+
+    def infos(self, now: float) -> list[EngineInfo]:
+        ttl = self.config.heartbeat_ttl_s
+        return [
+            EngineInfo(
+                engine_id=e.engine_id,
+                url=e.url,
+                models=e.models,
+                alive=e.alive(now, ttl),
+                draining=e.draining,
+                profile=e.profile.name,
+                static=e.static,
+            )
+            for e in sorted(self.engines.values(), key=lambda e: e.engine_id)
+            if e.url
+        ]
+
+    # ------------------------------------------------------------------ events
+
+    def apply(self, env: Envelope, now: float) -> None:
+        """Fold one broker event in."""
+        ev = env.event
+        kind = ev.KIND
+        self.events[kind] = self.events.get(kind, 0) + 1
+        eng = self._engine(env.engine_id)
+        if eng.epoch != env.epoch:
+            if eng.epoch:
+                self.reset_engine(env.engine_id, now)
+            eng.epoch = env.epoch
+            eng.reports_kv = False
+        if isinstance(ev, BlockStored):
+            eng.reports_kv = True
+            self.tree.apply_stored(env.engine_id, ev.parent_hash, ev.hashes, ev.blocks, now)
+            eng.view = None
+        elif isinstance(ev, BlockRemoved):
+            eng.reports_kv = True
+            self.tree.apply_removed(env.engine_id, ev.hashes, now)
+            eng.view = None
+        elif isinstance(ev, AllCleared):
+            eng.reports_kv = True
+            self.reset_engine(env.engine_id, now)
+        elif isinstance(ev, LoadHeartbeat):
+            if eng.heartbeat is None or eng.heartbeat.profile != ev.profile:
+                eng.profile = self._profile(ev.profile)
+            if now - eng.last_heartbeat > self.config.heartbeat_ttl_s:
+                self._membership += 1  # (re)joins the eligible sets
+            eng.heartbeat = ev
+            eng.last_heartbeat = now
+            if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
+                eng.url = ev.url
+                eng.models = ev.models
+                self._membership += 1
+            eng.view = None
+        elif isinstance(ev, (RequestEnqueued, RequestStarted, RequestPreempted)):
+            self._not_pending(ev.request_id)
+        elif isinstance(ev, FirstToken):
+            self._not_pending(ev.request_id)
+            rec = self._inflight.get(ev.request_id)
+            if rec is not None and not rec.first_token:
+                rec.first_token = True
+                self._record_ttft(rec.group, ev.ttft_ms, now)
+        elif isinstance(ev, RequestFinished):
+            rec = self._inflight.get(ev.request_id)
+            if rec is not None and not rec.first_token:
+                self._record_ttft(rec.group, ev.ttft_ms, now)
+            if ev.output_tokens > 1:
+                self._record_tpot(eng, ev.tpot_ms)
+            self.release(ev.request_id, "event")
+        elif isinstance(ev, RequestRejected):
+            self.release(ev.request_id, "event")
+
+    def _not_pending(self, request_id: str) -> None:
+        rec = self._inflight.get(request_id)
+        if rec is not None and rec.pending:
+            rec.pending = False
+            eng = self.engines.get(rec.engine_id)
+            if eng is not None:
+                eng.pending_prefill_tokens -= rec.missed_tokens
+                eng.view = None
+
+    def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
+        eng.tpots.append(tpot_ms)
+        if len(eng.tpots) > self.config.tpot_samples:
+            eng.tpots.popleft()
+        eng.tpot_ms = median(eng.tpots)
+        eng.view = None
+
+    def _record_ttft(self, group: int, ttft_ms: float, now: float) -> None:
+        dq = self._ttfts.get(group)
+        if dq is None:
+            dq = self._ttfts[group] = deque()
+        dq.append((now, ttft_ms))
+        self._ttft_order.append((now, group))
+
+    # ------------------------------------------------------------------ decisions
+
+    def group_of(self, key: bytes) -> int:
+        return block_hash(None, key[: self.config.group_bytes])
+
+    def match(self, key: bytes) -> tuple[Match, dict[str, int]]:
+        """The tree's match and the per-engine matched bytes including speculative entries."""
+        m = self.tree.match(key)
+        if not len(self.spec):
+            return m, m.per_engine
+        merged = dict(m.per_engine)
+        for e, v in self.spec.tree.match(key).per_engine.items():
+            if v > merged.get(e, 0):
+                merged[e] = v
+        return m, merged
+
+    def record_route(
+        self,
+        req: RouteRequest,
+        engine_id: str,
+        match: Match,
+        matched: Mapping[str, int],
+        group: int,
+        now: float,
+    ) -> None:
+        """The router sent ``req`` to ``engine_id``: in flight, window load, speculative key."""
+        c = self.config
+        eng = self._engine(engine_id)
+        p = eng.profile
+        key_len = len(req.key)
+        mine = matched.get(engine_id, 0)
+        cached = p.cached_tokens_for_bytes(mine)
+        tokens = max(req.input_tokens, p.tokens_for_bytes(key_len))
+        missed = max(tokens - cached, 1)
+        # Preble's L entry: prefill of the missed part, plus this engine's share of the shared
+        # prefix's prefill (divided among the engines holding it), plus output tokens later
+        # multiplied by the engine's TPOT.
+        holders = sum(1 for v in matched.values() if v >= mine) if mine else 1
+        prefill = p.prefill_ms(missed, cached) + (p.prefill_ms(cached) / holders if cached else 0)
+        entry = [now, engine_id, group, prefill, req.max_tokens]
+        self._load.append(entry)
+        eng.load_prefill_ms += prefill
+        eng.load_out_tokens += req.max_tokens
+        g = eng.groups.get(group)
+        if g is None:
+            g = eng.groups[group] = [0.0, 0, 0, deque()]
+        g[0] += prefill
+        g[1] += req.max_tokens
+        g[2] += 1
+        g[3].append(entry)
+        self._hits.append((now, engine_id, mine, key_len))
+        eng.hit_matched += mine
+        eng.hit_total += key_len
+        old = self._inflight.pop(req.request_id, None)
+        if old is not None:
+            self._forget(old)
+        self._inflight[req.request_id] = _Inflight(engine_id, now, group, missed)
+        eng.inflight += 1
+        eng.pending_prefill_tokens += missed
+        eng.routed_total += 1
+        eng.view = None
+        ttl = c.approximate_ttl_s if c.approximate or not eng.reports_kv else c.speculative_ttl_s
+        self.spec.add(engine_id, req.key, now + ttl, now)
+        self.tree.touch(match, engine_id, mine, now)
+
+    def release(self, request_id: str, how: str) -> bool:
+        """A routed request ended (``how``: event, report or timeout); frees its in-flight slot."""
+        rec = self._inflight.pop(request_id, None)
+        if rec is None:
+            return False
+        self._forget(rec)
+        self.released_by[how] = self.released_by.get(how, 0) + 1
+        return True
+
+    def _forget(self, rec: _Inflight) -> None:
+        eng = self.engines.get(rec.engine_id)
+        if eng is not None:
+            eng.inflight -= 1
+            if rec.pending:
+                eng.pending_prefill_tokens -= rec.missed_tokens
+            eng.view = None
+
+    def apply_moves(self, moves: Iterable[Move], now: float) -> None:
+        """Apply E2's rebalancing: re-attribute a group's window work and route it elsewhere."""
+        until = now + self.config.window_s
+        for mv in moves:
+            if mv.kind == "replicate":
+                reps, _ = self._replicas.get(mv.group, (frozenset((mv.src,)), 0.0))
+                self._replicas[mv.group] = (reps | {mv.src, mv.dst}, until)
+                self.replications += 1
+                continue
+            src, dst = self.engines.get(mv.src), self.engines.get(mv.dst)
+            if src is None or dst is None:
+                continue
+            g = src.groups.pop(mv.group, None)
+            if g is not None:
+                src.load_prefill_ms -= g[0]
+                src.load_out_tokens -= g[1]
+                dst.load_prefill_ms += g[0]
+                dst.load_out_tokens += g[1]
+                for entry in g[3]:
+                    entry[1] = mv.dst
+                d = dst.groups.get(mv.group)
+                if d is None:
+                    dst.groups[mv.group] = g
+                else:
+                    d[0] += g[0]
+                    d[1] += g[1]
+                    d[2] += g[2]
+                    d[3] = deque(sorted((*d[3], *g[3]), key=lambda e: e[0]))
+            self._overrides[mv.group] = (mv.dst, until)
+            src.view = dst.view = None
+            self.moves += 1
+
+    # ------------------------------------------------------------------ time
+
+    def expire(self, now: float) -> None:
+        """Slide every window to ``now``; time out forgotten requests and speculative keys."""
+        c = self.config
+        horizon = now - c.window_s
+        load = self._load
+        while load and load[0][0] < horizon:
+            t, engine_id, group, prefill, out = load.popleft()
+            eng = self.engines.get(engine_id)
+            if eng is None:
+                continue
+            eng.load_prefill_ms -= prefill
+            eng.load_out_tokens -= out
+            g = eng.groups.get(group)
+            if g is not None:
+                g[0] -= prefill
+                g[1] -= out
+                g[2] -= 1
+                dq = g[3]
+                if dq and dq[0][0] == t and dq[0][3] == prefill:
+                    dq.popleft()
+                else:
+                    for i, e in enumerate(dq):
+                        if e[0] == t and e[3] == prefill:
+                            del dq[i]
+                            break
+                if g[2] <= 0:
+                    del eng.groups[group]
+            eng.view = None
+        order = self._ttft_order
+        while order and order[0][0] < horizon:
+            _, group = order.popleft()
+            dq = self._ttfts.get(group)
+            if dq:
+                dq.popleft()
+                if not dq:
+                    del self._ttfts[group]
+        hit_horizon = now - c.hit_window_s
+        timeout = now - c.inflight_timeout_s
+        while self._inflight:
+            rid, rec = next(iter(self._inflight.items()))
+            if rec.t >= timeout:
+                break
+            self.release(rid, "timeout")
+        hits = self._hits
+        while hits and hits[0][0] < hit_horizon:
+            _, engine_id, m, k = hits.popleft()
+            eng = self.engines.get(engine_id)
+            if eng is not None:
+                eng.hit_matched -= m
+                eng.hit_total -= k
+                eng.view = None
+        self.spec.expire(now)
+        if now >= self._next_sweep:  # the rarely-changing tables: once a second is plenty
+            self._next_sweep = now + 1.0
+            for table in (self._overrides, self._replicas):
+                for group in [g for g, (_, until) in table.items() if until <= now]:
+                    del table[group]
+            self.tree.gc(now)
+
+    # ------------------------------------------------------------------ views
+
+    def engine_view(self, eng: _Engine) -> EngineView:
+        v = eng.view
+        if v is None:
+            p = eng.profile
+            hb = eng.heartbeat
+            capacity = (hb.kv_blocks_total if hb else p.kv_blocks) * p.block_bytes
+            used = hb.kv_blocks_used * p.block_bytes if hb else 0
+            held = self.tree.held_bytes.get(eng.engine_id, 0)
+            v = eng.view = EngineView(
+                engine_id=eng.engine_id,
+                url=eng.url,
+                profile=p,
+                inflight=eng.inflight,
+                load_ms=max(eng.load_prefill_ms, 0.0) + max(eng.load_out_tokens, 0) * eng.tpot_ms,
+                tpot_ms=eng.tpot_ms,
+                hit_ratio=eng.hit_matched / eng.hit_total if eng.hit_total else 0.0,
+                free_bytes=max(capacity - max(held, used), 0),
+                pending_prefill_tokens=max(eng.pending_prefill_tokens, 0),
+                routed_total=eng.routed_total,
+                heartbeat=hb,
+                queued_prefill_ms=queued_prefill_ms(p, hb, max(eng.pending_prefill_tokens, 0)),
+                next_decode_step_ms=next_decode_step_ms(p, hb),
+            )
+        return v
+
+    def candidates(self, req: RouteRequest, now: float) -> list[EngineView]:
+        """Engines that may take ``req``: alive, serving its model, not draining or excluded.
+
+        The eligible set per model is cached until an engine joins, leaves, drains or could
+        reach its heartbeat TTL (the earliest such moment), so a decision costs one cheap pass."""
+        eligible = self.eligible(req.model, now)
+        view = self.engine_view
+        if req.exclude:
+            return [e.view or view(e) for e in eligible.values() if e.engine_id not in req.exclude]
+        return [e.view or view(e) for e in eligible.values()]
+
+    def eligible(self, model: str, now: float) -> dict[str, _Engine]:
+        """Engines alive, serving ``model`` and not draining (cached, see :meth:`candidates`)."""
+        entry = self._eligible.get(model)
+        if entry is None or now > entry[1] or entry[2] != self._membership:
+            ttl = self.config.heartbeat_ttl_s
+            out = {}
+            until = float("inf")
+            for eng in self.engines.values():
+                if eng.url and not eng.draining and eng.alive(now, ttl) and eng.serves(model):
+                    out[eng.engine_id] = eng
+                    if not eng.static:
+                        until = min(until, eng.last_heartbeat + ttl)
+            entry = self._eligible[model] = (out, until, self._membership)
+        return entry[0]
+
+
+class View:
+    """Read-only access for one decision (implements ``router.policies.base.ClusterView``)."""
+
+    __slots__ = ("_cluster", "_eligible", "_exclude", "engines", "matched", "rng")
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        engines: list[EngineView],
+        matched: Mapping[str, int],
+        rng: Rng,
+        *,
+        model: str = "",
+        exclude: frozenset[str] = frozenset(),
+        now: float = 0.0,
+    ) -> None:
+        self._cluster = cluster
+        self.engines = engines
+        self.matched = matched
+        self.rng = rng
+        self._eligible = cluster.eligible(model, now)
+        self._exclude = exclude
+
+    def engine(self, engine_id: str) -> EngineView | None:
+        eng = self._eligible.get(engine_id)
+        if eng is None or engine_id in self._exclude:
+            return None
+        return eng.view or self._cluster.engine_view(eng)
+
+    def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
+        """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``
+        are freed; each evicted prefix costs ``hit count (decayed over the window) x miss rate x
+        prefill time of its tokens``, the miss rate being ``1 / holders`` (a prefix other
+        engines also hold is cheaper to lose here). Beyond ``max_scan`` nodes the cost of the
+        scanned part is extrapolated."""
+        if need_bytes <= 0:
+            return 0.0
+        cl = self._cluster
+        eng = cl.engines.get(engine_id)
+        if eng is None:
+            return 0.0
+        p = eng.profile
+        tree = cl.tree
+        tau = tree.hit_tau_s
+        freed = 0
+        cost = 0.0
+        for i, node in enumerate(tree.lru_nodes(engine_id)):
+            if i >= max_scan:
+                return cost * need_bytes / max(freed, 1)
+            size = node.coverage(engine_id)
+            holders = (len(node.full) if node.full else 0) + (
+                len(node.partial) if node.partial else 0
+            )
+            hits = node.hit_count(now, tau)
+            if hits > 0.0:
+                tokens = p.cached_tokens_for_bytes(size)
+                context = p.cached_tokens_for_bytes(node.start)
+                cost += hits / max(holders, 1) * p.prefill_ms(tokens, context)
+            freed += size
+            if freed >= need_bytes:
+                break
+        return cost
+
+    def override(self, group: int) -> str | None:
+        o = self._cluster._overrides.get(group)
+        return o[0] if o is not None else None
+
+    def replicas(self, group: int) -> frozenset[str]:
+        r = self._cluster._replicas.get(group)
+        return r[0] if r is not None else frozenset()
+
+    def groups_on(self, engine_id: str) -> list[GroupLoad]:
+        eng = self._cluster.engines.get(engine_id)
+        if eng is None:
+            return []
+        tpot = eng.tpot_ms
+        out = [GroupLoad(g, v[0] + v[1] * tpot, v[2]) for g, v in eng.groups.items() if v[2] > 0]
+        out.sort(key=lambda gl: -gl.load_ms)
+        return out
+
+    def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
+        dq = self._cluster._ttfts.get(group)
+        if not dq:
+            return 0.0, 0.0
+        mid = now - self._cluster.config.window_s / 2
+        first = [v for t, v in dq if t < mid]
+        second = [v for t, v in dq if t >= mid]
+        if len(first) < 2 or len(second) < 2:
+            return 0.0, 0.0
+        return sum(first) / len(first), sum(second) / len(second)

@@ -1,0 +1,195 @@
+"""The router: one pure object the gateway, the router service and the simulator all drive.
+
+``route(request, now)`` matches the key against the cache map, asks the configured policy, and
+records the decision at once (in-flight work, windowed load, a speculative cache entry) so the
+next request already sees it; ``apply(envelope, now)`` folds broker events in. No I/O, no clock,
+no global state: time is passed in, randomness comes from the injected rng.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.events import Envelope
+from router.api import Decision, EngineInfo, Outcome, RouteRequest
+from router.cluster import Cluster, ClusterConfig, View
+from router.policies.base import Policy, RequestContext, Rng
+from router.policies.registry import make_policy
+
+NO_ENGINE_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Which policy (registry key) with which options, and the cluster state's windows/budgets."""
+
+    policy: str = "e2"
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+class Router:
+    """See the module docstring. Not thread-safe: one event loop (or one simulator) drives it."""
+
+    def __init__(self, config: RouterConfig | None, rng: Rng) -> None:
+        self.config = config or RouterConfig()
+        self.rng = rng
+        self.policy: Policy = make_policy(self.config.policy, self.config.policy_options)
+        self.cluster = Cluster(self.config.cluster)
+        self.decisions: dict[tuple[str, str], int] = {}  # (policy, reason) -> count
+        self.routed_key_bytes = 0
+        self.routed_matched_bytes = 0
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, req: RouteRequest, now: float) -> Decision:
+        """Pick an engine for ``req`` (or shed it) and record the choice."""
+        cl = self.cluster
+        cl.expire(now)
+        group = cl.group_of(req.key)
+        ctx = RequestContext(req, len(req.key), group)
+        engines = cl.candidates(req, now)
+        if not engines:
+            decision = Decision(
+                engine_id=None,
+                url=None,
+                reason="shed",
+                policy=self.policy.name,
+                retry_after_s=NO_ENGINE_RETRY_S,
+                detail=f"no live engine serves model {req.model!r}",
+            )
+            self._count(decision)
+            return decision
+        match, matched = cl.match(req.key)
+        view = View(cl, engines, matched, self.rng, model=req.model, exclude=req.exclude, now=now)
+        decision = self.policy.choose(ctx, view, now)
+        self._count(decision)
+        if decision.engine_id is None:
+            return decision
+        cl.record_route(req, decision.engine_id, match, matched, group, now)
+        self.routed_key_bytes += len(req.key)
+        self.routed_matched_bytes += decision.matched_bytes
+        refreshed = [
+            cl.engine_view(cl.engines[ev.engine_id]) if ev.engine_id == decision.engine_id else ev
+            for ev in engines
+        ]
+        view = View(cl, refreshed, matched, self.rng, model=req.model, exclude=req.exclude, now=now)
+        moves = self.policy.rebalance(ctx, view, now)
+        if moves:
+            cl.apply_moves(moves, now)
+        return decision
+
+    def _count(self, decision: Decision) -> None:
+        k = (decision.policy, decision.reason)
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+
+    # ------------------------------------------------------------------ inputs
+
+    def apply(self, env: Envelope, now: float) -> None:
+        """Fold one broker event (the consumer's sink interface)."""
+        self.cluster.apply(env, now)
+
+    def reset_engine(self, engine_id: str, now: float) -> None:
+        """Forget an engine's cache (gap, new epoch, AllCleared: the consumer re-applies its
+        snapshot next)."""
+        self.cluster.reset_engine(engine_id, now)
+
+    def report(self, request_id: str, engine_id: str, outcome: Outcome, now: float) -> bool:
+        """The gateway's word on a routed request: whatever the outcome, it is no longer in
+        flight. False when the router had no record of it (already released)."""
+        return self.cluster.release(request_id, "report")
+
+    def add_static_engine(
+        self,
+        engine_id: str,
+        url: str,
+        models: Iterable[str] = (),
+        profile: str = "mistral-7b-a6000",
+    ) -> None:
+        """An engine configured by hand: always alive, routable without a heartbeat."""
+        self.cluster.add_static_engine(engine_id, url, models, profile)
+
+    def set_draining(self, engine_id: str, draining: bool) -> None:
+        """A draining engine gets no new requests (its in-flight ones finish)."""
+        self.cluster.set_draining(engine_id, draining)
+
+    # ------------------------------------------------------------------ introspection
+
+    def engines(self, now: float) -> list[EngineInfo]:
+        return self.cluster.infos(now)
+
+    def state(self, now: float) -> dict:
+        """Engines, loads, tree size and hit statistics (``GET /state``), JSON-ready."""
+        cl = self.cluster
+        cl.expire(now)
+        ttl = cl.config.heartbeat_ttl_s
+        engines = []
+        for eng in sorted(cl.engines.values(), key=lambda e: e.engine_id):
+            ev = cl.engine_view(eng)
+            hb = eng.heartbeat
+            engines.append(
+                {
+                    "engine_id": eng.engine_id,
+                    "url": eng.url,
+                    "models": list(eng.models),
+                    "alive": eng.alive(now, ttl),
+                    "draining": eng.draining,
+                    "static": eng.static,
+                    "epoch": eng.epoch,
+                    "profile": eng.profile.name,
+                    "reports_kv": eng.reports_kv,
+                    "inflight": eng.inflight,
+                    "routed_total": eng.routed_total,
+                    "load_ms": round(ev.load_ms, 3),
+                    "tpot_ms": round(eng.tpot_ms, 3),
+                    "hit_ratio_30s": round(ev.hit_ratio, 4),
+                    "cached_bytes": cl.tree.held_bytes.get(eng.engine_id, 0),
+                    "heartbeat": None
+                    if hb is None
+                    else {
+                        "age_s": round(now - eng.last_heartbeat, 3),
+                        "waiting": hb.waiting,
+                        "running": hb.running,
+                        "queued_prefill_tokens": hb.queued_prefill_tokens,
+                        "kv_blocks_used": hb.kv_blocks_used,
+                        "kv_blocks_total": hb.kv_blocks_total,
+                        "vbs": hb.vbs,
+                    },
+                }
+            )
+        ts = cl.tree.stats()
+        ss = cl.spec.tree.stats()
+        return {
+            "policy": self.policy.name,
+            "engines": engines,
+            "tree": {
+                "nodes": ts.nodes,
+                "bytes": ts.bytes,
+                "unheld_bytes": ts.unheld_bytes,
+                "budget_bytes": cl.tree.budget_bytes,
+                "index_entries": ts.index_entries,
+                "index_bytes": ts.index_bytes,
+                "dropped_nodes": ts.dropped_nodes,
+                "orphan_chains": ts.orphan_chains,
+            },
+            "speculative": {"entries": len(cl.spec), "nodes": ss.nodes, "bytes": ss.bytes},
+            "hits": {
+                "routed_key_bytes": self.routed_key_bytes,
+                "routed_matched_bytes": self.routed_matched_bytes,
+                "hit_ratio": (
+                    self.routed_matched_bytes / self.routed_key_bytes
+                    if self.routed_key_bytes
+                    else 0.0
+                ),
+            },
+            "decisions": [
+                {"policy": p, "reason": r, "count": n}
+                for (p, r), n in sorted(self.decisions.items())
+            ],
+            "inflight": len(cl._inflight),
+            "released": dict(cl.released_by),
+            "rebalance": {"moves": cl.moves, "replications": cl.replications},
+            "events": dict(cl.events),
+        }

@@ -1,0 +1,206 @@
+"""The one small interface every routing policy implements, and what policies are handed.
+
+A policy is pure and synchronous: ``choose(ctx, view, now) -> Decision`` from an immutable
+per-engine snapshot (:class:`EngineView`, rebuilt only when that engine's state changes) and a
+read-only :class:`ClusterView`. It never mutates the cluster: feedback such as E2's rebalancing is
+returned as :class:`Move` values from ``rebalance`` and applied by the router. Randomness comes
+from the injected ``view.rng``. Adding a policy: one module in this package with a frozen config,
+one line in :mod:`router.policies.registry`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from broker.events import LoadHeartbeat
+from kvgate.cost_model import CostProfile
+from router.api import Candidate, Decision, Reason, RouteRequest
+
+MAX_LISTED = 8  # candidates listed in a decision by matched bytes (building them costs time)
+
+
+class Rng(Protocol):
+    """The part of ``random.Random`` policies use (injected, seeded by the caller)."""
+
+    def random(self) -> float: ...
+
+    def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine as policies see it at decision time. Loads in ms of work (Preble's L)."""
+
+    engine_id: str
+    url: str
+    profile: CostProfile
+    inflight: int  # requests routed there and not finished
+    load_ms: float  # L_i: windowed prefill of missed tokens + output tokens x TPOT_i
+    tpot_ms: float  # median of the last measured TPOTs (seeded)
+    hit_ratio: float  # cached share of the keys routed there recently (prefill/decode mix)
+    free_bytes: int  # KV capacity not holding cached prefixes, in key bytes
+    pending_prefill_tokens: int  # routed, not yet in the engine's reported queue
+    routed_total: int  # requests ever routed there (E2's warm-up)
+    heartbeat: LoadHeartbeat | None = None
+    queued_prefill_ms: float = 0.0  # prefill time of the reported queue + routed-not-queued
+    next_decode_step_ms: float = 0.0  # EstTPOT with one more request in the virtual batch
+
+
+def prefill_cost_ms(
+    ev: EngineView, key_len: int, matched: int, cache: dict[tuple[str, int], float]
+) -> float:
+    """Preble's P_i: prefill time of the key's part not cached on ``ev`` (after the cached
+    part), on ``ev``'s profile; memoised per decision in ``cache`` (most engines share a value)."""
+    ck = (ev.profile.name, matched)
+    p = cache.get(ck)
+    if p is None:
+        prof = ev.profile
+        cached = prof.cached_tokens_for_bytes(matched)
+        p = cache[ck] = prof.prefill_ms(max(prof.tokens_for_bytes(key_len) - cached, 1), cached)
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """The request plus what the router derived from it once, for every policy."""
+
+    request: RouteRequest
+    key_len: int
+    group: int  # prefix group (hash of the key's first bytes): the unit E2 moves/replicates
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLoad:
+    """A prefix group's windowed work on one engine."""
+
+    group: int
+    load_ms: float
+    requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Rebalancing feedback: send ``group`` to ``dst`` from now on (``move``), or add ``dst``
+    as a replica of a hot ``group`` (``replicate``)."""
+
+    group: int
+    src: str
+    dst: str
+    kind: Literal["move", "replicate"] = "move"
+
+
+class ClusterView(Protocol):
+    """Read-only access to cluster state for one decision."""
+
+    engines: Sequence[EngineView]  # candidates: alive, serving the model, not excluded/draining
+    matched: Mapping[str, int]  # engine -> leading key bytes it caches (absent: 0)
+    rng: Rng
+
+    def engine(self, engine_id: str) -> EngineView | None:
+        """The candidate ``engine_id`` (None when it is not one): cheap lookups by id."""
+        ...
+
+    def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
+        """Preble's M_i: cost of what ``engine_id``'s LRU would evict to fit ``need_bytes``."""
+        ...
+
+    def override(self, group: int) -> str | None:
+        """Engine a rebalanced prefix group now goes to, if any."""
+        ...
+
+    def replicas(self, group: int) -> frozenset[str]:
+        """Engines a hot prefix group is replicated on (empty: not replicated)."""
+        ...
+
+    def groups_on(self, engine_id: str) -> list[GroupLoad]:
+        """Prefix groups routed to ``engine_id`` in the window, heaviest first."""
+        ...
+
+    def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
+        """Mean TTFT (ms) of ``group`` over the first and second half of the window (0: too
+        few samples)."""
+        ...
+
+
+class Policy(Protocol):
+    """What the router calls. ``name`` equals the module name and the registry key."""
+
+    name: str
+
+    def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision: ...
+
+    def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:
+        """Feedback after a decision (default: none)."""
+        ...
+
+
+class PolicyBase:
+    """Defaults for the optional hook."""
+
+    name = "base"
+
+    def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:
+        return ()
+
+
+# ---------------------------------------------------------------------- shared helpers
+
+
+def pick_min(
+    engines: Iterable[EngineView], key: Callable[[EngineView], object], rng: Rng
+) -> EngineView:
+    """The engine with the smallest ``key``; exact ties broken by the injected rng."""
+    best: list[EngineView] = []
+    best_key: object = None
+    for ev in engines:
+        k = key(ev)
+        if not best or k < best_key:  # type: ignore[operator]
+            best, best_key = [ev], k
+        elif k == best_key:
+            best.append(ev)
+    if not best:
+        raise ValueError("no engines to pick from")
+    return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
+
+
+def by_load(ev: EngineView) -> tuple[float, int]:
+    """Least windowed work first, then fewest requests in flight."""
+    return (ev.load_ms, ev.inflight)
+
+
+def by_inflight(ev: EngineView) -> tuple[int, float]:
+    """Fewest requests in flight first (the baselines' notion of load), then windowed work."""
+    return (ev.inflight, ev.load_ms)
+
+
+def decide(
+    policy: str,
+    reason: Reason,
+    chosen: EngineView,
+    view: ClusterView,
+    *,
+    candidates: Sequence[Candidate] = (),
+    detail: str = "",
+) -> Decision:
+    """A Decision for ``chosen``; without explicit candidates, the engines holding the most of
+    the key (at most ``MAX_LISTED``) and the chosen one are listed with their matched bytes."""
+    if not candidates:
+        matched = view.matched
+        items = matched.items()
+        if len(matched) > MAX_LISTED:
+            items = heapq.nlargest(MAX_LISTED, items, key=lambda kv: kv[1])
+        candidates = [Candidate(e, m) for e, m in items if m > 0]
+        if not any(c.engine_id == chosen.engine_id for c in candidates):
+            candidates.append(Candidate(chosen.engine_id, matched.get(chosen.engine_id, 0)))
+    return Decision(
+        engine_id=chosen.engine_id,
+        url=chosen.url,
+        reason=reason,
+        policy=policy,
+        matched_bytes=view.matched.get(chosen.engine_id, 0),
+        candidates=tuple(candidates),
+        detail=detail,
+    )

@@ -1,0 +1,109 @@
+"""SLO feasibility: which engines can still meet a request's TTFT and TPOT objectives.
+
+Shared by every policy that enables ``slo_filter``. From an engine's last heartbeat and the work
+the router sent it since (precomputed in :class:`EngineView`):
+
+* TTFT: ``prefill(queued prefill tokens + routed-not-yet-queued) + prefill(this request's missed
+  tokens after its cached ones) <= ttft_slo``;
+* TPOT (SCORPIO's VBS admission): with this request added to the virtual batch,
+  ``EstTPOT(VBS + 1, L) x 1.3 < 0.99 x tpot_slo`` where ``L`` is the mean context of the
+  running requests (KV blocks used x block tokens / running).
+
+An engine without a heartbeat is assumed feasible (nothing says otherwise). When no engine is
+feasible the request is shed with ``retry_after_s``: the smallest TTFT excess among engines
+(how long until the queue drains enough), clamped to [0.5, 30] s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from broker.events import LoadHeartbeat
+from kvgate.cost_model import CostProfile
+from router.api import Decision
+from router.policies.base import EngineView, RequestContext, prefill_cost_ms
+
+TPOT_SAFETY = 1.3  # SCORPIO's margin on the decode-time estimate
+TPOT_HEADROOM = 0.99
+MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+TPOT_MISS_RETRY_MS = 1000.0
+
+
+def queued_prefill_ms(profile: CostProfile, hb: LoadHeartbeat | None, pending: int) -> float:
+    """Time to work through the engine's queued prefill and what the router sent since."""
+    queued = pending + (hb.queued_prefill_tokens if hb is not None else 0)
+    return profile.prefill_ms(queued)
+
+
+def next_decode_step_ms(profile: CostProfile, hb: LoadHeartbeat | None) -> float:
+    """SCORPIO's EstTPOT with one more request in the virtual batch (0: unknown)."""
+    if hb is None:
+        return 0.0
+    mean_ctx = hb.kv_blocks_used * profile.block_tokens / max(hb.running, 1)
+    return profile.decode_step_ms(hb.vbs + 1.0, mean_ctx)
+
+
+def check(
+    ev: EngineView,
+    ctx: RequestContext,
+    matched: int,
+    cache: dict[tuple[str, int], float],
+) -> float:
+    """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss."""
+    slo = ctx.request.slo
+    excess = ev.queued_prefill_ms + prefill_cost_ms(ev, ctx.key_len, matched, cache) - slo.ttft_ms
+    if excess > 0:
+        return excess
+    if ev.next_decode_step_ms * TPOT_SAFETY >= TPOT_HEADROOM * slo.tpot_ms:
+        return TPOT_MISS_RETRY_MS
+    return 0.0
+
+
+def feasible_engines(
+    ctx: RequestContext,
+    engines: Iterable[EngineView],
+    matched: Mapping[str, int],
+    cache: dict[tuple[str, int], float] | None = None,
+) -> tuple[list[EngineView], float]:
+    """Engines that can meet the request's SLO, and (when none can) the retry-after seconds."""
+    cache = {} if cache is None else cache
+    out: list[EngineView] = []
+    min_excess_ms = float("inf")
+    for ev in engines:
+        excess = check(ev, ctx, matched.get(ev.engine_id, 0), cache)
+        if excess > 0:
+            min_excess_ms = min(min_excess_ms, excess)
+        else:
+            out.append(ev)
+    return out, retry_after(min_excess_ms)
+
+
+def retry_after(min_excess_ms: float) -> float:
+    return min(max(min_excess_ms / 1000.0, MIN_RETRY_S), MAX_RETRY_S)
+
+
+def shed(policy: str, ctx: RequestContext, retry_after_s: float, detail: str) -> Decision:
+    """The decision when nobody can serve the request in time: the gateway answers 429."""
+    return Decision(
+        engine_id=None,
+        url=None,
+        reason="shed",
+        policy=policy,
+        retry_after_s=retry_after_s,
+        detail=detail,
+    )
+
+
+def candidates_or_shed(
+    policy: str,
+    ctx: RequestContext,
+    engines: Sequence[EngineView],
+    matched: Mapping[str, int],
+    enabled: bool,
+) -> list[EngineView] | Decision:
+    """The engines a policy may pick from (all of them when the filter is off), or the shed
+    decision when the filter leaves none."""
+    if not enabled:
+        return list(engines)
+    ok, retry = feasible_engines(ctx, engines, matched)
+    return ok if ok else shed(policy, ctx, retry, "no engine can meet the SLO")

@@ -1,0 +1,245 @@
+"""The router's I/O shell: in-process (:class:`EmbeddedRouter`) and as the ``kvgate router`` HTTP
+service (:func:`create_app`).
+
+Both feed a pure :class:`router.core.Router` from a :class:`broker.consumer.Consumer` with
+wall-clock time (the consumer's clock, so broker lag is measured against engine timestamps).
+A restarted router or a second replica rebuilds its state the same way: the consumer loads each
+engine's snapshot and replays the stream after it.
+
+HTTP API (JSON; shapes in :mod:`router.wire`; bad input -> 400 ``{"error": {...}}``):
+
+* ``POST /route``: a RouteRequest with the key base64-encoded in ``key_b64`` -> a Decision;
+* ``POST /report``: ``{"request_id", "engine_id", "outcome"}`` -> ``{"released": bool}``;
+* ``GET /engines``, ``GET /state``, ``GET /metrics`` (Prometheus), ``GET /health``;
+* ``POST /engines/{engine_id}/drain`` and ``/undrain``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from broker.consumer import Consumer
+from router.api import Decision, EngineInfo, Outcome, RouteRequest
+from router.core import Router
+from router.wire import (
+    WireError,
+    decision_to_json,
+    engine_to_json,
+    report_from_json,
+    request_from_json,
+)
+
+log = logging.getLogger("kvgate.router")
+
+MAX_BODY_BYTES = 96 << 20  # a 64 MiB key, base64-encoded, plus the envelope
+LATENCY_BUCKETS = (
+    25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3,
+)  # fmt: skip
+
+
+class EmbeddedRouter:
+    """A Router fed by a Consumer, behind the ``RoutingService`` protocol (in-process use)."""
+
+    def __init__(
+        self,
+        router: Router,
+        broker: Any,
+        *,
+        clock: Callable[[], float] = time.time,
+        consumer_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.router = router
+        self.broker = broker
+        self.clock = clock
+        self.consumer = Consumer(broker, router, clock=clock, **(consumer_options or {}))
+
+    async def start(self) -> None:
+        await self.consumer.start()
+
+    async def close(self) -> None:
+        await self.consumer.close()
+
+    async def route(self, request: RouteRequest) -> Decision:
+        return self.router.route(request, self.clock())
+
+    async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
+        self.router.report(request_id, engine_id, outcome, self.clock())
+
+    async def engines(self) -> list[EngineInfo]:
+        return self.router.engines(self.clock())
+
+    def state(self) -> dict:
+        """The router's state plus the consumer's (``broker.lag_s`` etc.)."""
+        out = self.router.state(self.clock())
+        s = self.consumer.stats
+        out["broker"] = {
+            "connected": self.consumer.connected,
+            "lag_s": round(s.lag_s, 6),
+            "entries": s.entries,
+            "events": s.events,
+            "blocks": s.blocks,
+            "malformed": s.malformed,
+            "duplicates": s.duplicates,
+            "resyncs": s.resyncs,
+            "snapshots_loaded": s.snapshots_loaded,
+            "new_epochs": s.new_epochs,
+            "reconnects": s.reconnects,
+            "sink_errors": s.sink_errors,
+        }
+        return out
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read from the router and consumer at scrape time."""
+
+    def __init__(self, service: EmbeddedRouter) -> None:
+        self.service = service
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        router = self.service.router
+        now = self.service.clock()
+        st = router.cluster.tree.stats()
+        yield GaugeMetricFamily("kvgate_router_tree_bytes", "Key bytes in the radix tree", st.bytes)
+        yield GaugeMetricFamily("kvgate_router_tree_nodes", "Radix tree nodes", st.nodes)
+        yield GaugeMetricFamily(
+            "kvgate_router_tree_index_entries", "Block hashes indexed", st.index_entries
+        )
+        yield GaugeMetricFamily(
+            "kvgate_router_inflight",
+            "Requests routed and not finished",
+            len(router.cluster._inflight),
+        )
+        engines = GaugeMetricFamily("kvgate_router_engines", "Engines by state", labels=["state"])
+        infos = router.engines(now)
+        engines.add_metric(["alive"], sum(1 for e in infos if e.alive))
+        engines.add_metric(["dead"], sum(1 for e in infos if not e.alive))
+        engines.add_metric(["draining"], sum(1 for e in infos if e.draining))
+        yield engines
+        events = CounterMetricFamily(
+            "kvgate_router_events", "Broker events applied, by kind", labels=["kind"]
+        )
+        for kind, n in sorted(router.cluster.events.items()):
+            events.add_metric([kind], n)
+        yield events
+        s = self.service.consumer.stats
+        yield GaugeMetricFamily(
+            "kvgate_router_broker_lag_seconds", "Worst per-engine event lag", s.lag_s
+        )
+        yield CounterMetricFamily(
+            "kvgate_router_broker_malformed", "Malformed stream entries skipped", s.malformed
+        )
+        yield CounterMetricFamily("kvgate_router_broker_resyncs", "Engine resyncs", s.resyncs)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _bad(message: str, field: str, status: int = 400) -> web.Response:
+    return _json({"error": {"message": message, "type": "invalid_request", "param": field}}, status)
+
+
+def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.Application:
+    """The ``kvgate router`` HTTP app around ``service`` (starts/stops its consumer when
+    ``manage_consumer``)."""
+    registry = CollectorRegistry()
+    decisions = Counter(
+        "kvgate_router_decisions",
+        "Routing decisions by policy and reason",
+        ["policy", "reason"],
+        registry=registry,
+    )
+    latency = Histogram(
+        "kvgate_router_decision_seconds",
+        "Time to make one routing decision (router core only)",
+        buckets=LATENCY_BUCKETS,
+        registry=registry,
+    )
+    registry.register(_StateCollector(service))
+    router = service.router
+
+    async def route(request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _bad("body is not valid JSON", "body")
+        try:
+            req = request_from_json(body)
+        except WireError as exc:
+            return _bad(str(exc), exc.field)
+        except ValueError as exc:
+            return _bad(str(exc), "body")
+        t0 = time.perf_counter()
+        decision = router.route(req, service.clock())
+        latency.observe(time.perf_counter() - t0)
+        decisions.labels(decision.policy, decision.reason).inc()
+        return _json(decision_to_json(decision))
+
+    async def report(request: web.Request) -> web.Response:
+        try:
+            rid, engine_id, outcome = report_from_json(orjson.loads(await request.read()))
+        except orjson.JSONDecodeError:
+            return _bad("body is not valid JSON", "body")
+        except WireError as exc:
+            return _bad(str(exc), exc.field)
+        released = router.report(rid, engine_id, outcome, service.clock())
+        return _json({"released": released})
+
+    async def engines(request: web.Request) -> web.Response:
+        return _json([engine_to_json(e) for e in router.engines(service.clock())])
+
+    async def state(request: web.Request) -> web.Response:
+        return _json(service.state())
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        now = service.clock()
+        alive = sum(1 for e in router.engines(now) if e.alive)
+        ok = service.consumer.connected
+        return _json(
+            {"status": "ok" if ok else "degraded", "broker_connected": ok, "engines_alive": alive},
+            200 if ok else 503,
+        )
+
+    async def drain(request: web.Request) -> web.Response:
+        engine_id = request.match_info["engine_id"]
+        draining = request.match_info["action"] == "drain"
+        router.set_draining(engine_id, draining)
+        return _json({"engine_id": engine_id, "draining": draining})
+
+    async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+        if manage_consumer:
+            await service.start()
+        yield
+        if manage_consumer:
+            await service.close()
+
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/route", route)
+    app.router.add_post("/report", report)
+    app.router.add_get("/engines", engines)
+    app.router.add_post(r"/engines/{engine_id}/{action:drain|undrain}", drain)
+    app.router.add_get("/state", state)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,54 @@
+"""``kvgate bench ...`` end to end on tiny inputs (sim -> JSON -> report; workloads; errors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from kvgate.cli import main
+
+
+def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "sim.json"
+    rc = main(
+        [
+            "bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "10",
+            "--engines", "3", "--policies", "e2,round_robin,e2-no-rebalance",
+            "--schedulers", "slo", "--rate-scale", "1,2", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    doc = orjson.loads(out.read_bytes())
+    assert [(r["policy"], r["rate_scale"]) for r in doc["runs"]] == [
+        ("e2", 1.0),
+        ("round_robin", 1.0),
+        ("e2-no-rebalance", 1.0),
+        ("e2", 2.0),
+        ("round_robin", 2.0),
+        ("e2-no-rebalance", 2.0),
+    ]
+    assert "| tool_use | e2 | slo | 1 |" in capsys.readouterr().out
+    report = tmp_path / "rep.md"
+    assert main(["bench", "report", "--inputs", str(out), "--out", str(report)]) == 0
+    text = report.read_text()
+    assert "e2-no-rebalance" in text and "rep_policies_slo_ttft.png" in text
+    assert (tmp_path / "rep_policies_slo_ttft.png").exists()
+
+
+def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
+    assert main(["bench", "report", "--inputs", str(tmp_path / "missing.json")]) == 2
+    rc = main(["bench", "sim", "--trace", "nope", "--out", str(tmp_path / "x.json")])
+    assert rc == 2 and "unknown workload" in capsys.readouterr().err
+    rc = main(["bench", "sim", "--trace", "tool_use", "--duration", "2", "--policies",
+               "e2[bogus=1]", "--out", str(tmp_path / "x.json")])  # fmt: skip
+    assert rc == 2 and "bogus" in capsys.readouterr().err
+
+
+def test_workloads_verb(capsys) -> None:
+    assert main(["bench", "workloads"]) == 0
+    listing = capsys.readouterr().out
+    assert "mooncake" in listing and "qwen_mix" in listing
+    assert main(["bench", "workloads", "programming", "--rate", "2", "--duration", "30"]) == 0
+    shape = orjson.loads(capsys.readouterr().out)
+    assert 30 <= shape["requests"] <= 100

@@ -1,0 +1,150 @@
+"""The simulated world on tiny clusters with known answers, and as a router+engine harness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.sim.policies import ALIASES, make_router, parse_policy
+from bench.sim.runner import SimConfig, SweepSpec, build_world, engine_ids, run_one, sweep
+from bench.sim.world import LinkConfig
+from bench.workloads import WorkloadOptions
+from bench.workloads.request import Request, Segment, Turn
+from broker.events import BlockStored, Envelope, LoadHeartbeat, RequestEnqueued
+from kvgate.cost_model import default_profile
+from kvgate.slo import Slo
+
+PROFILE = default_profile()
+RELAXED = Slo(600_000.0, 10_000.0)
+
+
+def _req(rid: str, arrival: float, n_bytes: int, out: int, seed: int = 1) -> Request:
+    return Request(
+        rid,
+        arrival,
+        (Turn("", (Segment(seed, n_bytes),)),),
+        input_tokens=n_bytes // 4,
+        output_tokens=out,
+        slo=RELAXED,
+    )
+
+
+def _world(policy: str = "round_robin", engines: int = 1, **link: float):
+    return build_world(policy, "slo", SimConfig(engines=engines, link=LinkConfig(**link)))
+
+
+def test_one_engine_one_request_ttft_is_the_cost_models_prefill_time() -> None:
+    world = _world(network_delay_s=0.0, link_delay_s=0.0)
+    world.run([_req("a", 1.0, 4000, 1)])
+    (rec,) = world.records
+    assert rec.ok and rec.engine == engine_ids(1)[0]
+    assert rec.ttft_s == pytest.approx(PROFILE.prefill_ms(1000, 0) / 1000, rel=1e-9)
+    assert rec.tpot_s is None and rec.completion_tokens == 1 and rec.cached_tokens == 0
+
+
+def test_network_delay_adds_to_ttft_and_decode_follows_the_cost_model() -> None:
+    world = _world(network_delay_s=0.005)
+    world.run([_req("a", 0.0, 4000, 5)])
+    (rec,) = world.records
+    prefill = PROFILE.prefill_ms(1000, 0) / 1000
+    assert rec.ttft_s == pytest.approx(0.005 + prefill, rel=1e-9)
+    # four decode steps of a batch of one, context growing from 1001 to 1004 tokens
+    steps = [PROFILE.decode_step_ms(1, 1000 + g) / 1000 for g in range(1, 5)]
+    assert rec.tpot_s == pytest.approx(sum(steps) / 4, rel=1e-9)
+    assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(steps), rel=1e-9)
+
+
+def test_repeated_prompt_hits_the_cache_and_the_router_follows_it() -> None:
+    """Two engines: the repeat goes where the prompt is cached (the router learnt it from the
+    engine's BlockStored events over the link) and its prefill is the uncached tail only."""
+    world = _world("e2", engines=2)
+    world.run([_req("a", 0.0, 4000, 2), _req("b", 10.0, 4000, 2)])
+    a, b = world.records
+    assert a.ok and b.ok and a.engine == b.engine
+    assert b.reason == "exploit" and b.matched_bytes >= 3968
+    assert a.cached_tokens == 0 and b.cached_tokens == 992  # 62 full 64-byte blocks of 4000
+    assert b.ttft_s < a.ttft_s
+    assert b.ttft_s == pytest.approx(0.0005 + PROFILE.prefill_ms(8, 992) / 1000, rel=1e-9)
+
+
+class _Spy:
+    """Records what reaches the real router (delegates everything to it)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+        self.seen: list[tuple[float, Envelope]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.router, name)
+
+    def apply(self, env: Envelope, now: float) -> None:
+        self.seen.append((now, env))
+        self.router.apply(env, now)
+
+
+def test_link_delivers_envelopes_in_order_per_engine_after_the_delay() -> None:
+    world = _world("round_robin", engines=3, link_delay_s=0.01, link_jitter_s=0.02)
+    spy = _Spy(world.router)
+    world.router = spy
+    reqs = [_req(f"r{i}", 0.05 * i, 2000 + 64 * i, 3, seed=i) for i in range(12)]
+    world.run(reqs)
+    assert all(r.ok for r in world.records)
+    by_engine: dict[str, list[tuple[float, Envelope]]] = {}
+    for now, env in spy.seen:
+        by_engine.setdefault(env.engine_id, []).append((now, env))
+        assert now >= env.ts + 0.01 - 1e-12
+    assert len(by_engine) == 3
+    for items in by_engine.values():
+        assert [e.seq for _, e in items] == list(range(len(items)))
+        assert len({e.epoch for _, e in items}) == 1
+        assert [now for now, _ in items] == sorted(now for now, _ in items)
+    kinds = {type(e.event) for _, e in spy.seen}
+    assert {LoadHeartbeat, RequestEnqueued, BlockStored} <= kinds
+    # round robin spreads 12 requests evenly
+    assert sorted(world.per_engine().values()) == [4, 4, 4]
+
+
+def test_runs_are_deterministic() -> None:
+    reqs = [_req(f"r{i}", 0.01 * i, 4000, 20, seed=i % 3) for i in range(40)]
+    a = run_one(reqs, "e2", "slo", SimConfig(engines=4))
+    b = run_one(reqs, "e2", "slo", SimConfig(engines=4))
+    assert a["summary"] == b["summary"]
+    assert a["summary"]["requests"] == 40 and a["summary"]["ok"] == 40
+
+
+def test_policy_specs_and_aliases() -> None:
+    assert parse_policy("e2") == ("e2", {})
+    assert parse_policy("e2[rebalance=false,rebalance_ratio=2.5]") == (
+        "e2",
+        {"rebalance": False, "rebalance_ratio": 2.5},
+    )
+    assert parse_policy("e2-no-p") == ("e2", {"prefill_term": False})
+    for alias in ALIASES:
+        make_router(alias, random.Random(0))  # every alias names real E2 config flags
+    with pytest.raises(ValueError):
+        make_router("nope", random.Random(0))
+    with pytest.raises(ValueError):
+        make_router("e2[not_a_flag=1]", random.Random(0))
+    with pytest.raises(ValueError):
+        parse_policy("e2[rebalance")
+
+
+def test_sweep_runs_every_cell_on_a_small_workload() -> None:
+    spec = SweepSpec(
+        workload="programming",
+        options=WorkloadOptions(rate=4, duration=15, seed=1),
+        policies=("round_robin", "e2"),
+        schedulers=("slo", "fcfs"),
+        rate_scales=(1.0, 2.0),
+        sim=SimConfig(engines=2),
+    )
+    doc = sweep(spec)
+    assert doc["kind"] == "kvgate-sim" and len(doc["runs"]) == 8
+    cells = {(r["policy"], r["scheduler"], r["rate_scale"]) for r in doc["runs"]}
+    assert len(cells) == 8
+    for r in doc["runs"]:
+        assert r["summary"]["requests"] == doc["workload"]["shape"]["requests"]
+        assert r["sim"]["route_calls"] == r["summary"]["requests"]
+    rr = next(r for r in doc["runs"] if r["policy"] == "round_robin")
+    assert rr["summary"]["load_spread_requests"]["max_over_mean"] <= 1.05

@@ -1,0 +1,225 @@
+"""Workloads: determinism, prefix sharing, token rules, transforms, keys equal the gateway's."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.workloads import (
+    WorkloadOptions,
+    assign_slo,
+    build_workload,
+    limit,
+    merge,
+    scale_rate,
+    synthetic,
+    window,
+)
+from bench.workloads.request import Request, Segment, Turn, content_seed, segment_bytes
+from bench.workloads.traces import LoadStats, load_azure, load_mooncake, mooncake_segments
+from bench.workloads.transform import SloSpecError, parse_slo_spec, scaled_slo
+from kvgate.cost_model import default_profile
+from kvgate.openai_request import parse_request
+from kvgate.slo import SLO_CLASSES
+
+
+def _write_mooncake(path: Path, rows: list[dict]) -> Path:
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    return path
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_segment_bytes_is_deterministic_ascii_and_prefix_consistent() -> None:
+    a = segment_bytes(42, 2048)
+    assert a == segment_bytes(42, 2048)
+    assert a.isascii() and len(a) == 2048
+    assert segment_bytes(42, 100) == a[:100]
+    assert segment_bytes(43, 2048) != a
+    assert content_seed("mooncake", 7) != content_seed("tool", 7)
+
+
+def test_mooncake_equal_leading_ids_iff_equal_leading_bytes(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 1300, "output_length": 10, "hash_ids": [1, 2, 9]},
+        {"timestamp": 9, "input_length": 1100, "output_length": 10, "hash_ids": [4, 2, 3]},
+        {"timestamp": 12, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
+    ]
+    reqs = load_mooncake(_write_mooncake(tmp_path / "t.jsonl", rows))
+    keys = [r.key() for r in reqs]
+    block = 512 * 4
+    # exact sizes: input_length x 4 bytes, the last block partial
+    assert [len(k) for k in keys] == [6000, 5200, 4400, 4096]
+    assert all(r.input_tokens == math.ceil(len(k) / 4) for r, k in zip(reqs, keys, strict=True))
+    # two shared leading ids -> exactly two shared blocks (then they differ almost at once)
+    shared = _common_prefix(keys[0], keys[1])
+    assert 2 * block <= shared < 2 * block + 8
+    # different first id -> different from the first byte or so
+    assert _common_prefix(keys[0], keys[2]) < 8
+    # request 3 is a prefix of request 0 (same ids, full blocks)
+    assert keys[0].startswith(keys[3])
+    # the same id in another position renders the same block bytes
+    assert keys[0][block : 2 * block] == keys[2][block : 2 * block]
+    assert [r.arrival for r in reqs] == [0.0, 0.005, 0.009, 0.012]
+
+
+def test_mooncake_bad_lines_are_skipped_and_counted(tmp_path: Path) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(
+        b'{"timestamp": 0, "input_length": 10, "output_length": 3, "hash_ids": [0]}\n'
+        b"not json\n"
+        b'{"timestamp": 1, "input_length": 5000, "output_length": 3, "hash_ids": [0]}\n'
+        b'{"timestamp": 2, "output_length": 3, "hash_ids": [0]}\n'
+        b"\n"
+    )
+    stats = LoadStats()
+    reqs = load_mooncake(p, stats=stats)
+    assert len(reqs) == 1 and stats.kept == 1 and stats.skipped == 3
+    with pytest.raises(ValueError):
+        mooncake_segments([1, 2], 100)  # 100 tokens cannot fill two 512-token blocks
+
+
+def test_real_mooncake_trace_loads_with_the_readme_figures() -> None:
+    reqs = build_workload("mooncake", WorkloadOptions(slo="keep"))
+    assert len(reqs) == 12031
+    assert abs(sum(r.input_tokens for r in reqs) / len(reqs) - 12035) < 1
+    assert reqs[0].key_len == reqs[0].input_tokens * 4
+
+
+def test_azure_loads_unique_prompts(tmp_path: Path) -> None:
+    p = tmp_path / "az.csv"
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,374,109\n"
+        "garbage,1,2\n"
+    )
+    stats = LoadStats()
+    reqs = load_azure(p, stats=stats)
+    assert len(reqs) == 2 and stats.skipped == 1
+    assert reqs[0].arrival == 0.0 and reqs[1].arrival == pytest.approx(4.314579, abs=1e-6)
+    a, b = reqs[0].key(), reqs[1].key()
+    assert len(a) == len(b) == 374 * 4 and _common_prefix(a, b) < 8
+
+
+@pytest.mark.parametrize(
+    "name", ["tool_use", "long_doc_qa", "programming", "multi_turn_chat", "qwen_mix", "preble_mix"]
+)
+def test_synthetic_families_are_seeded_and_sorted(name: str) -> None:
+    opts = WorkloadOptions(seed=3, rate=5, duration=60)
+    a = build_workload(name, opts)
+    b = build_workload(name, opts)
+    c = build_workload(name, WorkloadOptions(seed=4, rate=5, duration=60))
+    assert [r.request_id for r in a] == [r.request_id for r in b]
+    assert [r.key() for r in a[:20]] == [r.key() for r in b[:20]]
+    assert [r.arrival for r in a] != [r.arrival for r in c]
+    assert all(x.arrival <= y.arrival for x, y in itertools.pairwise(a))
+    assert 150 <= len(a) <= 450  # ~5 req/s for 60 s
+    for r in a[:30]:
+        assert r.key_len == len(r.key())
+        assert r.input_tokens == math.ceil(len(r.key()) / 4)
+
+
+def test_tool_use_shares_tool_prompts_with_zipf_popularity() -> None:
+    reqs = synthetic.tool_use(20, 60, seed=1, n_tools=50)
+    firsts = [r.turns[0].segments[0].seed for r in reqs]
+    top = max(set(firsts), key=firsts.count)
+    assert firsts.count(top) > len(reqs) / 10  # rank 0 of Zipf(1.1) over 50 tools: ~22%
+    same = [r for r in reqs if r.turns[0].segments[0].seed == top]
+    k0, k1 = same[0].key(), same[1].key()
+    assert _common_prefix(k0, k1) >= same[0].turns[0].n_bytes
+
+
+def test_multi_turn_chat_resends_history_as_a_prefix() -> None:
+    reqs = synthetic.multi_turn_chat(5, 300, seed=2, mean_turns=4)
+    by_session: dict[str, list[Request]] = {}
+    for r in reqs:
+        by_session.setdefault(r.session or "", []).append(r)
+    multi = [v for v in by_session.values() if len(v) >= 2]
+    assert multi
+    for turns in multi[:10]:
+        turns.sort(key=lambda r: r.arrival)
+        prev, nxt = turns[0].key(), turns[1].key()
+        assert nxt.startswith(prev)  # canonical rendering ends in "<|assistant|>\n"
+
+
+def test_chat_key_matches_the_gateways_parse() -> None:
+    for r in build_workload("qwen_mix", WorkloadOptions(rate=5, duration=20))[:10]:
+        parsed = parse_request("chat", r.body(), r.headers())
+        assert parsed.key == r.key()
+        assert parsed.slo.ttft_ms == r.slo.ttft_ms and parsed.slo.tpot_ms == r.slo.tpot_ms
+        assert parsed.hint.input_tokens == r.input_tokens
+        assert parsed.hint.output_tokens == r.output_tokens
+    r = build_workload("long_doc_qa", WorkloadOptions(rate=5, duration=5))[0]
+    parsed = parse_request("completions", r.body(hint=False), {})
+    assert parsed.key == r.key() and parsed.hint.input_tokens is None
+
+
+def test_qwen_mix_uses_flowprefills_slos() -> None:
+    reqs = build_workload("qwen_mix", WorkloadOptions(rate=20, duration=60))
+    kinds = {r.kind for r in reqs}
+    assert kinds == {"chat", "image", "search", "file"}
+    for r in reqs:
+        assert r.slo == SLO_CLASSES[r.kind]
+
+
+def test_rate_scaling_and_window_and_limit() -> None:
+    reqs = build_workload("mooncake", WorkloadOptions(start=600, duration=600, slo="keep"))
+    assert reqs and reqs[0].arrival >= 0 and reqs[-1].arrival < 600
+    fast = scale_rate(reqs, 4)
+    assert [r.request_id for r in fast] == [r.request_id for r in reqs]
+    assert fast[-1].arrival == pytest.approx(reqs[-1].arrival / 4)
+    assert len(window(fast, 0, 60)) > len(window(reqs, 0, 60))
+    assert len(limit(reqs, 5)) == 5
+    opts = WorkloadOptions(start=600, duration=600, rate_scale=4, max_requests=10, slo="keep")
+    assert [r.arrival for r in build_workload("mooncake", opts)] == [r.arrival for r in fast[:10]]
+    with pytest.raises(ValueError):
+        scale_rate(reqs, 0)
+
+
+def test_merge_interleaves_by_arrival() -> None:
+    a = synthetic.programming(2, 30, seed=1)
+    b = synthetic.tool_use(2, 30, seed=1)
+    m = merge(a, b)
+    assert len(m) == len(a) + len(b)
+    assert all(x.arrival <= y.arrival for x, y in itertools.pairwise(m))
+
+
+def test_slo_specs() -> None:
+    prof = default_profile()
+    r = Request("x", 0.0, (Turn("", (Segment(1, 40000),)),), 10000, 5)
+    (a,) = assign_slo([r], "class:search", prof)
+    assert a.slo == SLO_CLASSES["search"]
+    (b,) = assign_slo([r], "scaled:5:80", prof)
+    assert b.slo.ttft_ms == pytest.approx(5 * prof.prefill_ms(10000)) and b.slo.tpot_ms == 80
+    assert scaled_slo(10, prof, 5, 100).ttft_ms == 250.0  # floor for tiny prompts
+    (c,) = assign_slo([r], "300,40", prof)
+    assert (c.slo.ttft_ms, c.slo.tpot_ms) == (300, 40)
+    assert parse_slo_spec("keep") == ("keep", None)
+    for bad in ("class:nope", "scaled:x", "1,2,3", "-1,5", "scaled:0"):
+        with pytest.raises(SloSpecError):
+            parse_slo_spec(bad)
+
+
+def test_request_validation() -> None:
+    turn = (Turn("", (Segment(1, 10),)),)
+    with pytest.raises(ValueError):
+        Request("x", -1.0, turn, 3, 1)
+    with pytest.raises(ValueError):
+        Request("x", 0.0, turn, 0, 1)
+    with pytest.raises(ValueError):
+        Request("x", 0.0, (*turn, *turn), 3, 1)  # a completion has one prompt
+    with pytest.raises(ValueError):
+        build_workload("nope")

@@ -1,0 +1,215 @@
+"""Reporter -> embedded broker -> Consumer: ordering, resyncs and bad data, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from broker_testkit import FoldingSink, PlainSink, Workload, wait_until
+
+from broker.codec import encode_batch
+from broker.consumer import Consumer
+from broker.events import BlockStored, Envelope, RequestStarted
+from broker.memory import MemoryBroker
+from broker.tracker import State
+from engine_reporter import Reporter
+
+FAST = {
+    "discover_interval_s": 0.02,
+    "block_ms": 20,
+    "snapshot_poll_s": 0.02,
+    "snapshot_request_s": 0.05,
+}
+
+
+def reporter(b, engine_id="e1", **kw) -> Reporter:
+    return Reporter(b, engine_id, flush_interval_s=0.002, registry_ttl_s=0.3, **kw)
+
+
+async def run_workload(rep: Reporter, work: Workload, n: int, *, yield_every: int = 50) -> None:
+    for i in range(n):
+        rep.emit(work.next_event())
+        if i % yield_every == 0:
+            await asyncio.sleep(0)
+    assert await rep.flush()
+
+
+async def converged(sink: FoldingSink, rep: Reporter, timeout_s: float = 10.0) -> bool:
+    return await wait_until(
+        lambda: sink.state(rep.engine_id) == rep.builder.cached_hashes(), timeout_s
+    )
+
+
+@pytest.mark.parametrize("sink_type", [FoldingSink, PlainSink])
+async def test_consumer_follows_reporter_exactly_in_order(sink_type) -> None:
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    sink = sink_type()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    work = Workload(1, clear_every=97)
+    await run_workload(rep, work, 600)
+    assert await converged(sink, rep)
+    assert sink.state("e1") == set(work.cached)
+    assert not sink.violations
+    assert consumer.stats.resyncs == 0 and consumer.stats.malformed == 0
+    assert consumer.stats.events == 600
+    assert consumer.stats.lag_s >= 0
+    await consumer.close()
+    await rep.close()
+
+
+async def test_overflow_drops_are_counted_and_consumer_resyncs_from_snapshot() -> None:
+    b = MemoryBroker()
+    rep = reporter(b, buffer_size=16)
+    await rep.start()
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    work = Workload(2)
+    await run_workload(rep, work, 50, yield_every=5)
+    assert await converged(sink, rep)
+    for _ in range(500):  # no yield: the flusher cannot run, the buffer overflows
+        rep.emit(work.next_event())
+    assert rep.dropped > 0 and rep.pending == 16
+    await run_workload(rep, work, 20, yield_every=5)
+    assert await converged(sink, rep)
+    assert sink.state("e1") == set(work.cached)
+    assert consumer.stats.resyncs >= 1 and consumer.stats.snapshots_loaded >= 2
+    assert not sink.violations
+    await consumer.close()
+    await rep.close()
+
+
+async def test_engine_restart_with_new_epoch_resets_and_ignores_the_old_epoch() -> None:
+    b = MemoryBroker()
+    old = reporter(b)
+    await old.start()
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    await run_workload(old, Workload(3), 200)
+    assert await converged(sink, old)
+    await old.close(unregister=False)
+    new = reporter(b)
+    await new.start()
+    work = Workload(4)
+    await run_workload(new, work, 100)
+    assert await converged(sink, new)
+    assert sink.state("e1") == set(work.cached)
+    # a zombie of the old epoch writing late is ignored
+    zombie = Envelope("e1", old.epoch, old.builder.next_seq, 1.0, RequestStarted("z"))
+    await b.append("e1", [encode_batch([zombie])])
+    await run_workload(new, work, 10)
+    assert await converged(sink, new)
+    assert await wait_until(lambda: consumer.stats.stale == 1)
+    assert consumer.stats.new_epochs == 1
+    await consumer.close()
+    await new.close()
+
+
+async def test_garbage_and_duplicate_entries_are_skipped_and_counted() -> None:
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    work = Workload(5)
+    await run_workload(rep, work, 30)
+    assert await converged(sink, rep)
+    garbage = [
+        {b"v": b"1", b"h": b"\xff\xfe", b"b": b""},
+        {b"x": b"y"},
+        {b"v": b"1", b"h": b'["other",  "ep", 0, [["ac", 1.0]]]', b"b": b""},
+    ]
+    await b.append("e1", garbage)
+    first = (await b.read({"e1": "0-0"}, count=100))[0][1][0]
+    await b.append("e1", [first[1]])  # a re-sent batch
+    await run_workload(rep, work, 30)
+    assert await converged(sink, rep)
+    assert consumer.stats.malformed == 3
+    assert consumer.stats.malformed_by_engine == {"e1": 3}
+    assert consumer.stats.duplicates > 0
+    assert consumer.stats.resyncs == 0
+    assert not sink.violations
+    await consumer.close()
+    await rep.close()
+
+
+async def test_stream_trimmed_below_position_recovers_through_requested_snapshot() -> None:
+    b = MemoryBroker()
+    rep = reporter(b, snapshot_interval_s=3600, maxlen=0)
+    await rep.start()
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.poll_once()
+    work = Workload(6)
+    await run_workload(rep, work, 40, yield_every=2)
+    while await consumer.poll_once():
+        pass
+    assert sink.state("e1") == rep.builder.cached_hashes()
+    await run_workload(rep, work, 200, yield_every=2)
+    b.trim("e1", 1)  # far below the consumer's position, beyond the latest snapshot
+    await consumer.poll_once()
+    assert consumer.cursors["e1"].state is State.WAITING
+    assert sink.state("e1") == set()  # reset: nothing known is trusted
+    assert await wait_until(lambda: rep.stats.snapshots >= 2, 5)  # it asked the reporter
+    for _ in range(50):
+        await consumer.poll_once(block_ms=10)
+        if consumer.cursors["e1"].state is State.ACTIVE:
+            break
+    assert sink.state("e1") == set(work.cached)
+    assert consumer.stats.resyncs == 1
+    await rep.close()
+
+
+async def test_a_failing_sink_never_stops_the_consumer() -> None:
+    class Flaky(FoldingSink):
+        def apply(self, env, now):
+            if type(env.event) is BlockStored and len(env.event.hashes) == 7:
+                raise RuntimeError("router bug")
+            super().apply(env, now)
+
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    sink = Flaky()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    await run_workload(rep, Workload(7), 300)
+    assert await wait_until(lambda: consumer.stats.events == 300)
+    assert consumer.stats.sink_errors > 0
+    await consumer.close()
+    await rep.close()
+
+
+async def test_consumer_started_late_loads_snapshot_then_replays() -> None:
+    b = MemoryBroker()
+    rep = reporter(b, snapshot_interval_s=0.05)
+    await rep.start()
+    work = Workload(8, clear_every=170)
+    await run_workload(rep, work, 400)
+    await asyncio.sleep(0.1)
+    await run_workload(rep, work, 50)
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    assert rep.builder.cached_blocks > 0
+    assert await converged(sink, rep)
+    assert consumer.stats.snapshots_loaded == 1
+    assert consumer.stats.events < 450  # it did not replay the whole history
+    await consumer.close()
+    await rep.close()
+
+
+async def test_reporter_counts_invalid_events_and_never_raises() -> None:
+    b = MemoryBroker()
+    rep = reporter(b)
+    rep.emit("garbage")  # type: ignore[arg-type]
+    rep.emit(None)  # type: ignore[arg-type]
+    assert rep.stats.invalid == 2 and rep.stats.emitted == 0
+    await rep.start()
+    await rep.close()
+    assert await b.engines() == []  # clean close leaves the registry

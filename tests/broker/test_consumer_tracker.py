@@ -1,0 +1,77 @@
+"""The consumer's pure core: verdicts on entries, gaps, and which snapshots end a gap."""
+
+from __future__ import annotations
+
+from broker.events import Envelope, RequestStarted, Snapshot
+from broker.tracker import Cursor, State, Verdict
+
+
+def envs(epoch: str, first: int, n: int) -> list[Envelope]:
+    return [Envelope("e", epoch, first + i, 1.0, RequestStarted("r")) for i in range(n)]
+
+
+def active(epoch: str, next_seq: int) -> Cursor:
+    c = Cursor("e")
+    c.load(Snapshot("e", epoch, next_seq - 1, "10-0", ()))
+    return c
+
+
+def test_expected_seq_applies_and_advances() -> None:
+    c = active("a", 5)
+    batch = envs("a", 5, 3)
+    assert c.classify(batch) == (Verdict.APPLY, 0)
+    c.advance("11-0", batch[-1])
+    assert (c.position, c.next_seq) == ("11-0", 8)
+
+
+def test_overlapping_resend_applies_only_the_new_tail() -> None:
+    assert active("a", 5).classify(envs("a", 3, 4)) == (Verdict.APPLY, 2)
+
+
+def test_fully_seen_entry_is_a_duplicate() -> None:
+    assert active("a", 5).classify(envs("a", 1, 4))[0] is Verdict.DUPLICATE
+
+
+def test_seq_jump_is_a_gap() -> None:
+    assert active("a", 5).classify(envs("a", 6, 1))[0] is Verdict.GAP
+
+
+def test_new_epoch_from_zero_restarts_and_old_epoch_becomes_stale() -> None:
+    c = active("a", 5)
+    batch = envs("b", 0, 2)
+    assert c.classify(batch)[0] is Verdict.NEW_EPOCH
+    c.advance("12-0", batch[-1])
+    assert c.epoch == "b" and c.next_seq == 2
+    assert c.classify(envs("a", 5, 1))[0] is Verdict.STALE
+
+
+def test_new_epoch_not_from_zero_is_a_gap() -> None:
+    assert active("a", 5).classify(envs("b", 3, 1))[0] is Verdict.GAP
+
+
+def test_fresh_cursor_accepts_only_an_epoch_start() -> None:
+    c = Cursor("e")
+    c.start_without_snapshot()
+    assert c.classify(envs("a", 0, 1))[0] is Verdict.NEW_EPOCH
+    assert c.classify(envs("a", 7, 1))[0] is Verdict.GAP  # stream was trimmed
+
+
+def test_gap_is_covered_only_by_a_snapshot_reaching_past_it() -> None:
+    c = active("a", 5)
+    head = envs("a", 9, 1)[0]
+    gap = c.open_gap("20-0", head)
+    assert c.state is State.WAITING and gap.seq == 8
+    assert not c.covered_by(Snapshot("e", "a", 7, "15-0", ()))
+    assert c.covered_by(Snapshot("e", "a", 8, "15-0", ()))
+    # another epoch's snapshot counts only if taken after the entry that showed the gap
+    assert not c.covered_by(Snapshot("e", "z", 0, "19-5", ()))
+    assert c.covered_by(Snapshot("e", "z", 0, "20-0", ()))
+    c.load(Snapshot("e", "a", 8, "15-0", ()))
+    assert c.state is State.ACTIVE and c.position == "15-0" and c.next_seq == 9
+
+
+def test_retired_epoch_snapshot_is_never_loaded() -> None:
+    c = active("a", 5)
+    c.advance("12-0", envs("b", 0, 1)[0])
+    c.open_gap("13-0", envs("b", 5, 1)[0])
+    assert not c.covered_by(Snapshot("e", "a", 100, "99-0", ()))

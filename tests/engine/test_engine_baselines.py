@@ -1,0 +1,88 @@
+"""The fcfs and preble baselines."""
+
+from __future__ import annotations
+
+import pytest
+from engine_testkit import core, first_token_times, req, run_until
+
+from broker.events import RequestStarted
+from engine.scheduler.preble import PreblePolicy, group_quota, hit_group
+
+
+def test_fcfs_serves_in_arrival_order_and_never_rejects_for_slo() -> None:
+    c = core("fcfs", chunked_budget=100)
+    c.submit(req("A", 100, ttft_ms=5000), 0.0)
+    c.submit(req("B", 100, ttft_ms=150), 0.0)
+    c.submit(req("C", 100, ttft_ms=50), 0.0)  # infeasible: served anyway, late
+    outs = run_until(c, 10.0)
+    assert not [o for o in outs if o.rejected]
+    ft = first_token_times(outs)
+    assert ft == pytest.approx({"A": 0.1, "B": 0.2, "C": 0.3})
+
+
+def test_fcfs_chunks_long_prompts_and_decodes_everyone_every_step() -> None:
+    c = core("fcfs", chunked_budget=2048)
+    c.submit(req("D1", 10, out=1000, tpot_ms=1), 0.0)
+    c.submit(req("D2", 10, out=1000, tpot_ms=10_000), 0.0)
+    run_until(c, 0.019)  # both prefill in one 20 ms step, ending at 0.020
+    c.submit(req("L", 5000, at=0.02), 0.02)
+    c.advance(0.02)
+    steps = []
+    for _ in range(3):
+        t = c.next_event_time()
+        steps.append((t, {o.request_id for o in c.advance(t)}))
+    # Every step decodes both (no SLO classes) plus a chunk of L: 2046, 2046 then 908 tokens.
+    assert all({"D1", "D2"} <= ids for _, ids in steps)
+    assert "L" in steps[2][1] and "L" not in steps[1][1]
+    assert steps[0][0] - 0.02 == pytest.approx((2 + 10 + 2046) / 1000)
+    assert steps[2][0] - steps[1][0] == pytest.approx((2 + 10 + 908) / 1000)
+
+
+def test_preble_groups() -> None:
+    assert [hit_group(h) for h in (0.0, 0.01, 0.1, 0.11, 0.5, 0.95, 1.0)] == [0, 0, 0, 1, 4, 9, 9]
+    assert group_quota(0) == 10 and group_quota(9) == 100
+
+
+class _View:
+    def __init__(self, waiting: list) -> None:
+        self.waiting = waiting
+
+
+class _St:
+    def __init__(self, name: str, hit: float) -> None:
+        self.name = name
+        self.hit_ratio = hit
+
+
+def test_preble_round_robin_from_group_9_with_quotas() -> None:
+    waiting = [_St(f"g0-{i}", 0.0) for i in range(15)]
+    waiting += [_St(f"g9-{i}", 0.99) for i in range(3)] + [_St(f"g5-{i}", 0.55) for i in range(2)]
+    order = [s.name for s in PreblePolicy()._order(_View(waiting))]  # type: ignore[arg-type]
+    expect = [f"g9-{i}" for i in range(3)] + ["g5-0", "g5-1"]
+    expect += [f"g0-{i}" for i in range(10)]  # group 0's quota is 10 a visit
+    expect += [f"g0-{i}" for i in range(10, 15)]  # ... the rest after a full round
+    assert order == expect
+
+
+def test_preble_quota_is_spent_only_on_admitted_requests() -> None:
+    p = PreblePolicy()
+    waiting = [_St(f"a{i}", 0.0) for i in range(30)]
+    it = p._order(_View(waiting))  # type: ignore[arg-type]
+    taken = [next(it) for _ in range(4)]
+    it.close()  # the fourth was not admitted
+    assert p.group == 0 and p.left == 10 - 3
+    assert taken[-1].name == "a3"
+
+
+def test_preble_admits_cache_hits_before_earlier_misses() -> None:
+    c = core("preble", chunked_budget=64)
+    shared = b"S" * 4096
+    c.submit(req("warm", 1024, key=shared), 0.0)
+    run_until(c, 100.0)
+    c.drain_events()
+    c.policy = PreblePolicy()  # a fresh round (warming up left the visit on group 0)
+    c.submit(req("miss", 64, at=1000.0), 1000.0)
+    c.submit(req("hit", 1100, at=1000.0, key=shared + b"tail" * 100), 1000.0)
+    run_until(c, 2000.0)
+    started = [e.request_id for e in c.drain_events() if isinstance(e, RequestStarted)]
+    assert started == ["hit", "miss"]  # hit: group 9, visited first; miss: group 0

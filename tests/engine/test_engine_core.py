@@ -1,0 +1,137 @@
+"""EngineCore: the state machine, events, usage, cancellation, heartbeat, the token rule."""
+
+from __future__ import annotations
+
+import pytest
+from engine_testkit import core, linear_profile, req, run_until
+
+from broker.events import (
+    BlockStored,
+    FirstToken,
+    RequestEnqueued,
+    RequestFinished,
+    RequestRejected,
+    RequestStarted,
+)
+from engine.costs import TtftPredictor, least_squares, prefill_batch_ms
+from engine.scheduler import POLICIES, make_policy
+from engine.scheduler.state import Phase, TransitionError
+from engine.text import TOKEN_BYTES, token_text, tokens_text
+from kvgate.cost_model import default_profile
+
+
+def test_illegal_transition_names_the_request_and_the_move() -> None:
+    c = core()
+    c.submit(req("A", 10), 0.0)
+    st = c.waiting[0]
+    with pytest.raises(TransitionError, match=r"request A: illegal move waiting -> decoding"):
+        st.move(Phase.DECODING)
+
+
+def test_events_and_usage_of_one_request() -> None:
+    c = core()
+    key = b"k" * 200  # 50 tokens, 3 full 64-byte blocks
+    c.submit(req("A", 50, out=3, tpot_ms=100, key=key), 0.0)
+    outs = run_until(c, 10.0)
+    kinds = [type(e) for e in c.drain_events()]
+    assert kinds == [RequestEnqueued, RequestStarted, BlockStored, FirstToken, RequestFinished]
+    assert [o.index for o in outs] == [0, 1, 2]
+    usage = outs[-1].usage
+    assert usage is not None and usage.completion_tokens == 3 and usage.cached_tokens == 0
+    assert usage.ttft_ms == pytest.approx(50.0)  # 1 ms per token
+    assert usage.tpot_ms == pytest.approx(11.0)  # decode step B + 10 ms with B = 1
+    # The same prompt again: 3 cached blocks = 192 of 200 bytes = 48 tokens.
+    c.submit(req("B", 50, out=1, key=key, at=10.0), 10.0)
+    outs = run_until(c, 20.0)
+    assert outs[-1].usage.cached_tokens == 48
+    assert outs[-1].usage.ttft_ms == pytest.approx(2.0)
+
+
+def test_cancel_frees_kv_and_emits_a_terminal_event() -> None:
+    c = core(profile=linear_profile(kv_blocks=100))
+    c.submit(req("A", 100, out=1000), 0.0)
+    run_until(c, 0.2)
+    assert c.phase_of("A") is Phase.DECODING and c.cache.used_blocks > 60
+    c.cancel("A", 0.2)
+    assert "A" not in c and c.running == 0 and c.cache.evictable_blocks == c.cache.used_blocks
+    fin = [e for e in c.drain_events() if isinstance(e, RequestFinished)]
+    assert fin and fin[0].output_tokens >= 1
+    c.submit(req("W", 10, at=0.3), 0.3)
+    c.cancel("W", 0.3)
+    assert isinstance(c.drain_events()[-1], RequestRejected)
+    assert run_until(c, 5.0) == []
+
+
+def test_request_larger_than_the_kv_is_rejected_at_once() -> None:
+    c = core(profile=linear_profile(kv_blocks=10))
+    c.submit(req("big", 200, out=1), 0.0)
+    (out,) = c.advance(0.0)
+    assert out.rejected and "KV blocks" in out.rejected
+
+
+def test_kv_pressure_makes_requests_wait_then_run() -> None:
+    c = core("fcfs", profile=linear_profile(kv_blocks=20))
+    c.submit(req("A", 160, out=100), 0.0)  # 17 blocks for its whole life
+    c.submit(req("B", 160, out=1), 0.0)  # 11 blocks: waits for A
+    outs = run_until(c, 100.0)
+    done = [o.request_id for o in outs if o.usage]
+    assert done == ["A", "B"]
+
+
+def test_heartbeat_reports_load() -> None:
+    c = core()
+    c.submit(req("A", 1000, tpot_ms=50), 0.0)
+    c.submit(req("B", 500, tpot_ms=100), 0.0)
+    c.advance(0.0)
+    hb = c.heartbeat("http://127.0.0.1:1", ("m",))
+    assert hb.running + hb.waiting == 2 and hb.kv_blocks_total == 100_000
+    assert hb.queued_prefill_tokens == 1500
+    assert hb.vbs == pytest.approx(1.5) and hb.profile == "linear-test"
+
+
+def test_duplicate_request_id_is_a_caller_error() -> None:
+    c = core()
+    c.submit(req("A", 10), 0.0)
+    with pytest.raises(ValueError, match="already"):
+        c.submit(req("A", 10), 0.0)
+
+
+def test_registry_is_the_one_list_of_policies() -> None:
+    assert set(POLICIES) == {"slo", "fcfs", "preble"}
+    for name in POLICIES:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="known: slo, fcfs, preble"):
+        make_policy("nope")
+
+
+def test_output_text_is_deterministic_and_follows_the_token_rule() -> None:
+    assert token_text("r1", 5) == token_text("r1", 5)
+    assert tokens_text("r1", 0, 3) != tokens_text("r2", 0, 3)
+    text = tokens_text("r1", 0, 100)
+    assert len(text.encode()) == 100 * TOKEN_BYTES == 100 * default_profile().bytes_per_token
+
+
+def test_least_squares_recovers_a_cubic() -> None:
+    xs = [float(x) for x in range(1, 40)]
+    ys = [3.0 - 2.0 * x + 0.5 * x * x + 0.01 * x**3 for x in xs]
+    coef = least_squares([(1.0, x, x * x, x**3) for x in xs], ys)
+    assert coef == pytest.approx([3.0, -2.0, 0.5, 0.01], rel=1e-7, abs=1e-9)
+    with pytest.raises(ValueError, match="rank deficient"):
+        least_squares([(1.0, 2.0), (2.0, 4.0), (3.0, 6.0)], [1.0, 2.0, 3.0])
+
+
+def test_ttft_predictor_tracks_the_profile() -> None:
+    p = default_profile()
+    pred = TtftPredictor.fit(p)
+    for n in (512, 1024, 2048, 8192, 32768):
+        assert pred(n) == pytest.approx(p.prefill_ms(n), rel=0.05)
+    assert pred(10) == pytest.approx(p.prefill_ms(1))  # the floor
+    linear = TtftPredictor.fit(linear_profile())
+    assert linear(1234) == pytest.approx(1234.0, rel=1e-6)
+
+
+def test_batch_prefill_shares_the_dense_part() -> None:
+    p = default_profile()
+    assert prefill_batch_ms(p, [(1000, 2000)]) == pytest.approx(p.prefill_ms(1000, 2000))
+    two = prefill_batch_ms(p, [(100, 0), (100, 0)])
+    assert two == pytest.approx(p.prefill_ms(200)) and two < 2 * p.prefill_ms(100)

@@ -1,0 +1,73 @@
+"""``kvgate engine fit-profile`` recovers known coefficients."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from engine.cli import add_arguments, run
+from engine.fit import FitError, fit_profile, read_samples
+from kvgate.cost_model import CostProfile, default_profile, load_profile
+
+
+def _rows(noise: float, seed: int = 7) -> list[bytes]:
+    rng = random.Random(seed)
+    rows = []
+    for n in (64, 128, 256, 512, 1024, 2048, 4096, 8192):
+        for c in (0, 1000, 4000):
+            ms = 5.0 + 0.05 * n + 2e-6 * n * n + 3e-4 * c + 1e-6 * n * c
+            rows.append(
+                {"new_tokens": n, "context_tokens": c, "prefill_ms": ms + rng.gauss(0, noise)}
+            )
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):
+        for L in (100, 1000, 4000):
+            ms = 2e-5 * b * L + 0.1 * b + 1e-3 * L + 12.0
+            rows.append({"batch": b, "mean_context": L, "step_ms": ms + rng.gauss(0, noise)})
+    return [orjson.dumps(r) for r in rows]
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    profile, quality = fit_profile(read_samples(_rows(0.0)), "gpu-x", default_profile())
+    assert profile.segments[0].coef == pytest.approx((5.0, 0.05, 2e-6), rel=1e-6)
+    assert (profile.attn_c, profile.attn_nc) == pytest.approx((3e-4, 1e-6), rel=1e-6)
+    assert (profile.decode_a, profile.decode_b, profile.decode_c, profile.decode_d) == (
+        pytest.approx((2e-5, 0.1, 1e-3, 12.0), rel=1e-6)
+    )
+    assert quality["prefill_rms_ms"] < 1e-6 and quality["decode_rms_ms"] < 1e-6
+    assert profile.prefill_ms(3000, 500) == pytest.approx(
+        5 + 0.05 * 3000 + 2e-6 * 3000**2 + 3e-4 * 500 + 1e-6 * 3000 * 500
+    )
+
+
+def test_fit_with_noise_stays_close() -> None:
+    profile, _ = fit_profile(read_samples(_rows(0.2)), "gpu-x", default_profile())
+    assert profile.prefill_ms(4096, 0) == pytest.approx(5 + 0.05 * 4096 + 2e-6 * 4096**2, rel=0.01)
+    assert profile.decode_step_ms(64, 2000) == pytest.approx(
+        2e-5 * 64 * 2000 + 6.4 + 2.0 + 12.0, rel=0.02
+    )
+
+
+def test_fit_errors_name_the_line() -> None:
+    with pytest.raises(FitError, match="line 2"):
+        read_samples([b'{"batch": 1, "mean_context": 1, "ms": 1}', b"{"])
+    with pytest.raises(FitError, match="line 1"):
+        read_samples([b'{"new_tokens": -5, "prefill_ms": 1}'])
+    with pytest.raises(FitError, match="at least 4 decode rows"):
+        fit_profile(read_samples(_rows(0.0)[:24]), "x", default_profile())
+
+
+def test_fit_profile_cli_writes_a_loadable_profile(tmp_path) -> None:
+    import argparse
+
+    src = tmp_path / "t.jsonl"
+    src.write_bytes(b"\n".join(_rows(0.0)))
+    out = tmp_path / "gpu-x.json"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["fit-profile", str(src), "--name", "gpu-x", "--out", str(out)])
+    assert run(args) == 0
+    loaded = load_profile(str(out))
+    assert isinstance(loaded, CostProfile) and loaded.name == "gpu-x"
+    assert loaded.decode_d == pytest.approx(12.0)

@@ -1,0 +1,208 @@
+"""The slo policy on small hand-built cases (1 ms per prefill token, decode B + 10 ms)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_testkit import core, first_token_times, linear_profile, req, run_until
+
+from broker.events import RequestPreempted, RequestRejected, RequestStarted
+from engine.scheduler.state import Phase
+
+
+def test_sedf_runs_earliest_deadline_first_and_resumes_preempted_work() -> None:
+    c = core(token_budget=100)  # no batching: each 100-token request is its own unit
+    c.submit(req("A", 1000), 0.0)
+    c.advance(0.0)
+    assert c.next_event_time() == pytest.approx(1.0)
+    for rid, ttft in (("B", 3000), ("C", 1000), ("D", 2000)):
+        c.submit(req(rid, 100, ttft_ms=ttft, at=0.1), 0.1)
+    # A is cut at its next operator boundary: 64 operators of 15.625 ms, 0.1 s -> 7 done.
+    assert c.next_event_time() == pytest.approx(7 * 0.015625)
+    outs = run_until(c, 10.0)
+    ft = first_token_times(outs)
+    assert ft["C"] == pytest.approx(0.109375 + 0.1)
+    assert ft["D"] == pytest.approx(0.109375 + 0.2)
+    assert ft["B"] == pytest.approx(0.109375 + 0.3)
+    # A resumed where it stopped: 57 operators left, so its prefill still took 1000 ms in all.
+    assert ft["A"] == pytest.approx(0.409375 + 57 * 0.015625)
+    assert ft["A"] == pytest.approx(1.3)
+    assert [e.request_id for e in c.drain_events() if isinstance(e, RequestPreempted)] == ["A"]
+
+
+def test_preempted_request_is_in_the_preempted_phase_until_it_resumes() -> None:
+    c = core(token_budget=100)
+    c.submit(req("A", 1000), 0.0)
+    c.advance(0.0)
+    c.submit(req("B", 100, ttft_ms=500, at=0.05), 0.05)
+    c.advance(c.next_event_time())
+    assert c.phase_of("A") is Phase.PREEMPTED and c.phase_of("B") is Phase.PREFILLING
+    run_until(c, 0.2)
+    assert c.phase_of("A") is Phase.PREFILLING
+
+
+def test_lower_priority_arrival_does_not_preempt() -> None:
+    c = core()
+    c.submit(req("A", 1000, ttft_ms=2000), 0.0)
+    c.advance(0.0)
+    c.submit(req("B", 100, ttft_ms=5000, at=0.1), 0.1)
+    assert c.next_event_time() == pytest.approx(1.0)
+
+
+def test_infeasible_waiting_requests_go_last_or_are_rejected() -> None:
+    # C (deadline 120 ms) runs first; then E (deadline 150 ms) has 50 ms left but needs 100 ms.
+    for reject in (False, True):
+        c = core(token_budget=100, reject_infeasible=reject)
+        c.submit(req("C", 100, ttft_ms=120), 0.0)
+        c.submit(req("E", 100, ttft_ms=150), 0.0)
+        c.submit(req("D", 100, ttft_ms=1100), 0.0)
+        c.submit(req("F", 100, ttft_ms=5000), 0.0)
+        outs = run_until(c, 10.0)
+        order = [r for r, _ in sorted(first_token_times(outs).items(), key=lambda kv: kv[1])]
+        rejected = [o.request_id for o in outs if o.rejected]
+        if reject:
+            assert order == ["C", "D", "F"] and rejected == ["E"]
+        else:
+            assert order == ["C", "D", "F", "E"] and rejected == []
+
+
+def test_infeasible_request_is_rejected_with_a_reason_once_its_slack_is_gone() -> None:
+    c = core(token_budget=100)
+    c.submit(req("A", 300, ttft_ms=400), 0.0)
+    c.submit(req("B", 300, ttft_ms=450), 0.0)  # needs 300 ms, but A runs first: 600 > 450
+    outs = run_until(c, 5.0)
+    rejected = {o.request_id: o.rejected for o in outs if o.rejected}
+    assert set(rejected) == {"B"}
+    assert "450 ms can no longer be met" in rejected["B"]
+    assert "A" in first_token_times(outs)
+    assert any(isinstance(e, RequestRejected) for e in c.drain_events())
+
+
+def test_request_that_cannot_meet_its_ttft_even_alone_is_rejected_at_once() -> None:
+    c = core()
+    c.submit(req("X", 2000, ttft_ms=1000), 0.0)
+    assert c.next_event_time() == 0.0
+    (out,) = c.advance(0.0)
+    assert out.rejected and "2000 uncached prompt tokens" in out.rejected
+    assert "X" not in c
+
+
+def test_slo_aware_batching_respects_the_slack_reserve() -> None:
+    c = core()
+    c.submit(req("B1", 100, ttft_ms=1000), 0.0)
+    c.submit(req("B2", 100, ttft_ms=2000), 0.0)
+    c.submit(req("B4", 1000, ttft_ms=5000), 0.0)
+    c.submit(req("B3", 3000, ttft_ms=10000), 0.0)
+    c.advance(0.0)
+    # B1 has 1000 ms: adding B2 leaves 800 >= 100; adding B4 (1200 ms) would leave < 100.
+    assert c.next_event_time() == pytest.approx(0.2)
+    ft = first_token_times(run_until(c, 10.0))
+    assert ft["B1"] == ft["B2"] == pytest.approx(0.2)
+    # Then B4 heads a batch with 5 s in hand: B4 + B3 = 4000 tokens <= 4096.
+    assert ft["B4"] == ft["B3"] == pytest.approx(4.2)
+
+
+def test_batching_respects_the_token_budget() -> None:
+    c = core()
+    c.submit(req("C1", 100), 0.0)
+    c.submit(req("C2", 4000, ttft_ms=200_000), 0.0)
+    c.submit(req("C3", 3996, ttft_ms=300_000), 0.0)
+    ft = first_token_times(run_until(c, 100.0))
+    assert ft["C1"] == ft["C3"] == pytest.approx(4.096)  # 100 + 3996 = G exactly
+    assert ft["C2"] == pytest.approx(8.096)
+
+
+@pytest.mark.parametrize(
+    ("head", "head_ttft", "why"),
+    [(5000, 100_000, "head alone exceeds G"), (950, 1000, "head has < 10% of its SLO left")],
+)
+def test_no_batching_when_head_is_too_big_or_too_tight(
+    head: int, head_ttft: float, why: str
+) -> None:
+    c = core()
+    c.submit(req("H", head, ttft_ms=head_ttft), 0.0)
+    c.submit(req("S", 10, ttft_ms=200_000), 0.0)
+    ft = first_token_times(run_until(c, 100.0))
+    assert ft["H"] == pytest.approx(head / 1000), why
+    assert ft["S"] == pytest.approx(head / 1000 + 0.010), why
+
+
+def test_long_prompt_prefills_in_chunks_with_preemption_between() -> None:
+    c = core(chunk_tokens=1000)
+    c.submit(req("L", 2500, ttft_ms=100_000), 0.0)
+    c.advance(0.0)
+    assert c.next_event_time() == pytest.approx(1.0)  # first chunk only
+    ft = first_token_times(run_until(c, 100.0))
+    assert ft["L"] == pytest.approx(2.5)
+
+
+def test_credits_converge_to_trp() -> None:
+    c = core()
+    for rid, tpot in (("tight", 50.0), ("half", 100.0), ("third", 150.0)):
+        c.submit(req(rid, 10, tpot_ms=tpot, out=100_000), 0.0)
+    outs = run_until(c, 0.031)  # the three prefill together in one 30 ms batch
+    assert len(first_token_times(outs)) == 3
+    counts = {"tight": 0, "half": 0, "third": 0}
+    steps = 0
+    while steps < 600:
+        t = c.next_event_time()
+        assert t is not None
+        step_outs = c.advance(t)
+        steps += 1
+        for o in step_outs:
+            counts[o.request_id] += len(o.times)
+    assert counts["tight"] == 600
+    assert abs(counts["half"] - 300) <= 1
+    assert abs(counts["third"] - 200) <= 1
+
+
+def test_vbs_admission_thresholds() -> None:
+    # decode step = 10 B + 10 ms. TPOT 50 ms: 1.3 x EstTPOT must stay < 49.5 ms.
+    # VBS 2 -> 30 x 1.3 = 39 ok; VBS 3 -> 40 x 1.3 = 52 refused; VBS 2.5 -> 35 x 1.3 = 45.5 ok.
+    c = core(profile=linear_profile(decode_b=10.0, decode_d=10.0))
+    c.submit(req("R1", 10, tpot_ms=50, out=20), 0.0)
+    c.submit(req("R2", 10, tpot_ms=50, out=200), 0.0)
+    c.submit(req("R3", 10, tpot_ms=50, out=5, ttft_ms=100_000), 0.0)
+    c.submit(req("R4", 10, tpot_ms=100, out=5), 0.0)
+    c.advance(0.0)
+    started = [e.request_id for e in c.drain_events() if isinstance(e, RequestStarted)]
+    assert started == ["R1", "R2", "R4"]
+    assert c.vbs == pytest.approx(2.5)
+    outs = run_until(c, 100.0)
+    finished = [o.request_id for o in outs if o.usage]
+    started = [e.request_id for e in c.drain_events() if isinstance(e, RequestStarted)]
+    assert started == ["R3"]  # only once R1 finished
+    assert finished.index("R1") < finished.index("R3")
+    for o in outs:
+        if o.usage and o.usage.completion_tokens > 1:
+            assert o.usage.tpot_ms <= {"R4": 100}.get(o.request_id, 50)
+
+
+def test_request_waiting_for_decode_capacity_is_rejected_when_ttft_expires() -> None:
+    c = core(profile=linear_profile(decode_b=10.0, decode_d=10.0))
+    c.submit(req("R1", 10, tpot_ms=50, out=1000), 0.0)
+    c.submit(req("R2", 10, tpot_ms=50, out=1000), 0.0)
+    run_until(c, 0.05)
+    c.submit(req("R3", 10, tpot_ms=50, ttft_ms=300, at=0.05), 0.05)
+    outs = run_until(c, 1.0)
+    (rej,) = [o for o in outs if o.rejected]
+    assert rej.request_id == "R3" and "decode capacity" in rej.rejected
+
+
+def test_tpot_slo_below_one_decode_step_is_rejected_at_once() -> None:
+    c = core(profile=linear_profile(decode_b=10.0, decode_d=10.0))
+    c.submit(req("T", 10, tpot_ms=20), 0.0)
+    (out,) = c.advance(0.0)
+    assert out.rejected and "TPOT SLO of 20 ms" in out.rejected
+
+
+def test_prefill_slices_keep_decode_within_tpot() -> None:
+    # One request decodes with a 100 ms TPOT while a 2000 ms prefill runs: the prefill is cut
+    # into slices so that every step lasts at most 0.9 x 100 ms.
+    c = core()
+    c.submit(req("D", 10, tpot_ms=100, out=50), 0.0)
+    run_until(c, 0.011)
+    c.submit(req("P", 2000, at=0.02), 0.02)
+    outs = run_until(c, 10.0)
+    d = next(o for o in outs if o.request_id == "D" and o.usage)
+    assert d.usage.tpot_ms <= 90.0 + 1e-6
+    assert first_token_times(outs)["P"] > 2.0  # prefill slowed, but served

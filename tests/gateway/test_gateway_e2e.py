@@ -1,0 +1,238 @@
+"""End to end: the openai SDK -> gateway -> real router -> kvgate's simulated engines.
+
+Engines publish through a broker (the in-process one, or a private Redis that the test stops);
+the router is ``router.core.Router`` in ``router.service.EmbeddedRouter`` (or the remote one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import openai
+import pytest
+from gw_harness import wait_until
+
+from gateway.app import GATEWAY_KEY, Gateway, create_app, serve
+from gateway.config import GatewayConfig
+from gateway.demo import MODEL, DemoOptions, compare, demo_stack, format_table
+from gateway.routing import embedded_routing
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+async def test_openai_sdk_through_gateway_to_simulated_engines() -> None:
+    async with demo_stack("e2", 2) as stack:
+        oc = client(stack.url)
+        prompt = "Tell me about prefix caches. " * 20
+        comp = await oc.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
+        assert comp.choices[0].text and comp.usage.completion_tokens == 8
+        chat = await oc.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6
+        )
+        assert chat.choices[0].message.content and chat.usage.completion_tokens == 6
+        pieces = []
+        stream = await oc.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for ev in stream:
+            if ev.choices:
+                pieces.append(ev.choices[0].text)
+        assert "".join(pieces)
+        chunks = []
+        stream = await oc.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for ev in stream:
+            if ev.choices and ev.choices[0].delta.content:
+                chunks.append(ev.choices[0].delta.content)
+            usage = ev.usage or usage
+        assert chunks and usage is not None and usage.completion_tokens == 5
+        # Same prompt again: the router sends it where it is cached, and the engine says so.
+        raw = await oc.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=4, extra_headers={"x-kvgate-debug": "1"}
+        )
+        route = raw.headers["x-kvgate-route"]
+        assert "policy=e2" in route
+        again = raw.parse()
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        # Unknown model: the SDK's NotFoundError with OpenAI's error shape.
+        with pytest.raises(openai.NotFoundError):
+            await oc.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+        models = await oc.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        await oc.close()
+
+
+@dataclass
+class LiveStack:
+    url: str
+    gateway: Gateway
+    engine_runners: list
+    engine_urls: list[str]
+
+
+@asynccontextmanager
+async def live_stack(
+    engine_broker_url: str, router_broker_url: str, prefix: str, n: int = 3
+) -> AsyncIterator[LiveStack]:
+    """Engines on one broker connection, the embedded router on another (as separate processes
+    would be), and a gateway with fast health checks."""
+    import broker as broker_mod
+    from engine.server import EngineServerConfig
+    from engine.server import serve as serve_engine
+
+    eb = await broker_mod.connect(engine_broker_url, prefix=prefix)
+    rb = await broker_mod.connect(router_broker_url, prefix=prefix) if router_broker_url else eb
+    runners, urls = [], []
+    try:
+        for i in range(n):
+            r, u = await serve_engine(EngineServerConfig(engine_id=f"engine-{i}", model=MODEL), eb)
+            runners.append(r)
+            urls.append(u)
+        async with embedded_routing(rb, policy="e2") as routing:
+            cfg = GatewayConfig(
+                health_interval_s=0.2, refresh_interval_s=0.2, debug_header=True, access_log=False
+            )
+            app = create_app(cfg, routing.service, stats=routing.stats, on_drain=routing.on_drain)
+            gw_runner, port = await serve(app, "127.0.0.1", 0, drain_timeout_s=2)
+            gw = app[GATEWAY_KEY]
+            try:
+                await wait_until(
+                    lambda: len([e for e in gw.pool.engines.values() if e.router_alive]) >= n, 15
+                )
+                yield LiveStack(f"http://127.0.0.1:{port}", gw, runners, urls)
+            finally:
+                await gw_runner.cleanup()
+    finally:
+        for r in runners:
+            with contextlib.suppress(Exception):
+                await r.cleanup()
+        for b in {id(eb): eb, id(rb): rb}.values():
+            with contextlib.suppress(Exception):
+                await b.close()
+
+
+async def _traffic(url: str, n: int, tag: str, stream: bool = False) -> list[int]:
+    """``n`` requests, 4 at a time, with a few shared prefixes; their statuses."""
+    sem = asyncio.Semaphore(4)
+    async with aiohttp.ClientSession() as s:
+
+        async def one(i: int) -> int:
+            body = {
+                "model": MODEL,
+                "prompt": f"shared prefix {i % 3} " * 30 + f"{tag}-{i}",
+                "max_tokens": 3,
+                "stream": stream,
+            }
+            async with sem, s.post(url + "/v1/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_engine_killed_mid_run() -> None:
+    async with live_stack("memory://", "", "kvgate:", n=3) as st:
+        assert set(await _traffic(st.url, 12, "before")) == {200}
+        # Kill engine-1 while requests are in flight: its port stops answering.
+        killer = asyncio.create_task(st.engine_runners[1].cleanup())
+        statuses = await _traffic(st.url, 30, "during", stream=True)
+        await killer
+        statuses += await _traffic(st.url, 30, "after")
+        assert set(statuses) == {200}, statuses
+        assert st.gateway.pool.engines["engine-1"].breaker.state != "closed"
+
+
+@pytest.mark.redis
+async def test_redis_stopped_mid_run_gateway_keeps_serving(private_redis, redis_prefix) -> None:
+    async with live_stack(private_redis.url, private_redis.url, redis_prefix, n=2) as st:
+        assert set(await _traffic(st.url, 10, "before")) == {200}
+        private_redis.stop()
+        await wait_until(lambda: st.gateway.degraded, 10)
+        statuses = await _traffic(st.url, 20, "during", stream=True)
+        assert set(statuses) == {200}
+        async with aiohttp.ClientSession() as s:
+            text = await (await s.get(st.url + "/metrics")).text()
+        assert "kvgate_gateway_router_degraded 1.0" in text
+        private_redis.start()
+        await wait_until(lambda: not st.gateway.degraded, 20)
+        assert set(await _traffic(st.url, 6, "after")) == {200}
+
+
+async def test_demo_compares_policies_quickly() -> None:
+    opts = DemoOptions(engines=2, duration_s=3.0, rate=6.0, max_requests=24)
+    summaries = await compare(opts)
+    assert [s["policy"] for s in summaries] == ["e2", "round_robin"]
+    for s in summaries:
+        assert s["ok"] >= s["requests"] * 0.9 and s["requests"] > 5
+        assert sum(s["per_engine_requests"].values()) >= s["ok"]
+        assert s["prefix_hit_rate"] is not None
+    table = format_table(summaries)
+    assert "e2" in table and "round_robin" in table and "TTFT p50" in table
+
+
+async def test_remote_router_mode_and_router_outage() -> None:
+    """Gateway -> `kvgate router` over HTTP (router.service app + router.client.RemoteRouter);
+    when the router process goes away the gateway keeps serving on least load."""
+    from broker import MemoryBroker
+    from engine.server import EngineServerConfig
+    from engine.server import serve as serve_engine
+    from gateway.routing import RoutingOptions, build_router, open_routing
+    from router.service import EmbeddedRouter
+    from router.service import create_app as create_router_app
+
+    broker = MemoryBroker()
+    engines = [
+        await serve_engine(EngineServerConfig(engine_id=f"engine-{i}", model=MODEL), broker)
+        for i in range(2)
+    ]
+    router_app = create_router_app(EmbeddedRouter(build_router("e2", 0, {}), broker))
+    router_runner, router_port = await serve(router_app, "127.0.0.1", 0, drain_timeout_s=1)
+    try:
+        opts = RoutingOptions(router_url=f"http://127.0.0.1:{router_port}")
+        async with open_routing(opts) as routing:
+            cfg = GatewayConfig(refresh_interval_s=0.2, health_interval_s=0.2, debug_header=True)
+            app = create_app(cfg, routing.service)
+            gw_runner, port = await serve(app, "127.0.0.1", 0, drain_timeout_s=1)
+            gw = app[GATEWAY_KEY]
+            url = f"http://127.0.0.1:{port}"
+            try:
+                await wait_until(lambda: len(gw.pool.engines) == 2, 10)
+                oc = client(url)
+                raw = await oc.completions.with_raw_response.create(
+                    model=MODEL, prompt="remote " * 40, max_tokens=3
+                )
+                assert "policy=e2" in raw.headers["x-kvgate-route"]
+                await router_runner.cleanup()  # the router goes away
+                raw = await oc.completions.with_raw_response.create(
+                    model=MODEL, prompt="remote " * 40, max_tokens=3
+                )
+                assert "policy=gateway_fallback" in raw.headers["x-kvgate-route"]
+                assert gw.degraded
+                statuses = await _traffic(url, 10, "outage")
+                assert set(statuses) == {200}
+                await oc.close()
+            finally:
+                await gw_runner.cleanup()
+    finally:
+        await router_runner.cleanup()
+        for r, _ in engines:
+            await r.cleanup()

@@ -1,0 +1,276 @@
+"""The proxy against small aiohttp upstreams and a tiny routing service (tests/gateway/gw_harness).
+
+End-to-end tests with the real router and engine are in test_gateway_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import orjson
+import pytest
+from gw_harness import MODEL, gateway_stack, wait_until
+
+from gateway.config import GatewayConfig
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict | bytes, **headers: str):
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    async with session.post(
+        url, data=data, headers={"Content-Type": "application/json", **headers}
+    ) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def test_body_forwarded_byte_for_byte_with_request_id_and_slo_headers() -> None:
+    async with gateway_stack(1) as st, aiohttp.ClientSession() as s:
+        raw = b'{"model": "test-model", "prompt": "abc",  "weird_field": {"x": [1, 2]}}'
+        status, headers, body = await post(
+            s,
+            st.url + "/v1/completions",
+            raw,
+            **{"x-request-id": "rid-1", "x-kvgate-ttft-ms": "300", "x-kvgate-debug": "1"},
+        )
+        assert status == 200
+        assert headers["X-Request-ID"] == "rid-1"
+        assert headers["x-kvgate-route"].startswith("policy=list;reason=round_robin;engine=e0")
+        assert orjson.loads(body)["engine"] == "e0"
+        eng = st.engines[0]
+        assert eng.raw_bodies[0] == raw  # unknown fields and even whitespace untouched
+        assert eng.headers[0]["x-request-id"] == "rid-1"
+        assert eng.headers[0]["x-kvgate-ttft-ms"] == "300"
+        assert "x-kvgate-debug" not in eng.headers[0]
+        routed = st.routing.routed[0]
+        assert routed.request_id == "rid-1" and routed.key == b"abc"
+        assert routed.slo.ttft_ms == 300.0
+        # No debug header asked: no route header; a request id is generated and echoed.
+        status, headers, _ = await post(s, st.url + "/v1/completions", raw)
+        assert status == 200 and "x-kvgate-route" not in headers
+        assert len(headers["X-Request-ID"]) == 32
+        assert eng.headers[1]["x-request-id"] == headers["X-Request-ID"]
+        await wait_until(lambda: len(st.routing.reports) == 2)
+        assert {o for _, _, o in st.routing.reports} == {"ok"}
+
+
+async def test_sse_is_relayed_incrementally() -> None:
+    hold = asyncio.Event()
+    async with gateway_stack(1, hold=hold) as st, aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": "p", "stream": True}
+        async with s.post(st.url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+            # The upstream is still holding its stream open: the chunk was not buffered.
+            assert first.startswith(b"data: {") and st.engines[0].finished_streams == 0
+            hold.set()
+            rest = await r.read()
+        assert rest.endswith(b"data: [DONE]\n\n")
+        assert st.engines[0].finished_streams == 1
+
+
+async def test_client_disconnect_cancels_upstream() -> None:
+    hold = asyncio.Event()
+    async with gateway_stack(1, hold=hold) as st:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": MODEL, "prompt": "p", "stream": True}
+            async with s.post(st.url + "/v1/completions", json=body) as r:
+                await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+                r.close()  # the client goes away mid-stream
+        await asyncio.wait_for(st.engines[0].disconnected.wait(), 5)
+        await wait_until(lambda: "cancelled" in {o for _, _, o in st.routing.reports})
+        assert st.gateway.pool.engines["e0"].inflight == 0
+        hold.set()
+
+
+async def test_5xx_before_first_byte_is_retried_on_another_engine() -> None:
+    async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
+        st.engines[0].fail_status = 503
+        for _ in range(6):
+            status, _, body = await post(
+                s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"}
+            )
+            assert status == 200 and orjson.loads(body)["engine"] == "e1"
+        retried = [r for r in st.routing.routed if "e0" in r.exclude]
+        assert retried, "the retry must exclude the failed engine"
+        await wait_until(lambda: ("e0", "failed") in {(e, o) for _, e, o in st.routing.reports})
+        # Three consecutive failures open e0's circuit: later requests never try it.
+        assert st.gateway.pool.engines["e0"].breaker.state == "open"
+        assert len(st.engines[0].requests) == 3
+
+
+async def test_retries_are_bounded_and_last_error_relayed() -> None:
+    cfg = GatewayConfig(max_retries=1, health_interval_s=60)
+    async with gateway_stack(3, config=cfg) as st, aiohttp.ClientSession() as s:
+        for e in st.engines:
+            e.fail_status = 500
+        status, _, body = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status == 500 and orjson.loads(body)["error"]["message"] == "injected"
+        assert sum(len(e.requests) for e in st.engines) == 2  # one try + one retry
+
+
+async def test_engine_killed_mid_run_requests_keep_succeeding() -> None:
+    cfg = GatewayConfig(health_interval_s=0.2, refresh_interval_s=0.2)
+    async with gateway_stack(3, config=cfg) as st, aiohttp.ClientSession() as s:
+        statuses = []
+        for i in range(30):
+            if i == 5:
+                await st.engines[1].stop()
+            stream = i % 2 == 0
+            body = {"model": MODEL, "prompt": f"q{i}", "stream": stream}
+            status, _, _ = await post(s, st.url + "/v1/completions", body)
+            statuses.append(status)
+        assert statuses == [200] * 30
+        assert st.gateway.pool.engines["e1"].breaker.state in ("open", "half_open")
+        text = await (await s.get(st.url + "/metrics")).text()
+        assert 'kvgate_gateway_engine_up{engine="e1"} 0.0' in text
+        assert "kvgate_gateway_retries_total" in text
+
+
+async def test_shed_becomes_429_with_retry_after() -> None:
+    async with gateway_stack(1) as st, aiohttp.ClientSession() as s:
+        st.routing.shed_all = True
+        status, headers, body = await post(
+            s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"}
+        )
+        assert status == 429 and headers["Retry-After"] == "3"
+        err = orjson.loads(body)["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "slo_shed"
+
+
+async def test_router_down_falls_back_to_least_load_and_says_so() -> None:
+    async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
+        st.routing.down = True
+        served = set()
+        for i in range(6):
+            status, headers, body = await post(
+                s,
+                st.url + "/v1/completions",
+                {"model": MODEL, "prompt": str(i)},
+                **{"x-kvgate-debug": "1"},
+            )
+            assert status == 200
+            assert "policy=gateway_fallback;reason=least_load" in headers["x-kvgate-route"]
+            served.add(orjson.loads(body)["engine"])
+        assert served == {"e0", "e1"}  # least load with rotated ties spreads the work
+        assert st.gateway.degraded
+        text = await (await s.get(st.url + "/metrics")).text()
+        assert "kvgate_gateway_router_degraded 1.0" in text
+        st.routing.down = False
+        await wait_until(lambda: not st.gateway.degraded, 5)
+        status, headers, _ = await post(
+            s,
+            st.url + "/v1/completions",
+            {"model": MODEL, "prompt": "x"},
+            **{"x-kvgate-debug": "1"},
+        )
+        assert status == 200 and "policy=list" in headers["x-kvgate-route"]
+
+
+async def test_router_that_lost_its_engines_does_not_stop_serving() -> None:
+    async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
+        st.routing.forget_engines = True
+        await wait_until(lambda: all(not e.router_alive for e in st.gateway.pool.engines.values()))
+        status, _, _ = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status == 200
+
+
+async def test_models_is_the_union_and_unknown_model_is_404() -> None:
+    engines_models = [("a", "b"), ("b", "c")]
+    async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
+        for eng, models in zip(st.engines, engines_models, strict=True):
+            eng.models = models
+        await st.gateway.refresh_engines()
+        data = await (await s.get(st.url + "/v1/models")).json()
+        assert [m["id"] for m in data["data"]] == ["a", "b", "c"]
+        status, _, body = await post(s, st.url + "/v1/completions", {"model": "zzz", "prompt": "x"})
+        err = orjson.loads(body)["error"]
+        assert status == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+        # Routed per model: "c" only goes to the engine that serves it.
+        for _ in range(3):
+            status, _, body = await post(
+                s, st.url + "/v1/completions", {"model": "c", "prompt": "x"}
+            )
+            assert status == 200 and orjson.loads(body)["engine"] == "e1"
+
+
+async def test_health_ready_and_drain_admin() -> None:
+    cfg = GatewayConfig(admin_token="s3cret", health_interval_s=0.2)
+    async with gateway_stack(2, config=cfg) as st, aiohttp.ClientSession() as s:
+        assert (await s.get(st.url + "/health")).status == 200
+        assert (await s.get(st.url + "/ready")).status == 200
+        assert (await s.get(st.url + "/admin/engines")).status == 401
+        bad = {"Authorization": "Bearer nope"}
+        assert (await s.get(st.url + "/admin/engines", headers=bad)).status == 401
+        assert (await s.post(st.url + "/admin/engines/e0/drain", headers=bad)).status == 401
+        good = {"Authorization": "Bearer s3cret"}
+        r = await s.get(st.url + "/admin/engines", headers=good)
+        assert r.status == 200
+        assert {e["id"] for e in (await r.json())["engines"]} == {"e0", "e1"}
+        r = await s.post(st.url + "/admin/engines/e0/drain", headers=good)
+        assert r.status == 200 and (await r.json())["draining"] is True
+        assert (await s.post(st.url + "/admin/engines/nope/drain", headers=good)).status == 404
+        for _ in range(4):
+            _, _, body = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+            assert orjson.loads(body)["engine"] == "e1"
+        await s.post(st.url + "/admin/engines/e0/undrain", headers=good)
+        engines = set()
+        for _ in range(4):
+            _, _, body = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+            engines.add(orjson.loads(body)["engine"])
+        assert engines == {"e0", "e1"}
+        # Every engine ejected or drained: not ready.
+        await s.post(st.url + "/admin/engines/e0/drain", headers=good)
+        await s.post(st.url + "/admin/engines/e1/drain", headers=good)
+        assert (await s.get(st.url + "/ready")).status == 503
+
+
+async def test_admin_disabled_without_token() -> None:
+    async with gateway_stack(1) as st, aiohttp.ClientSession() as s:
+        r = await s.get(st.url + "/admin/engines", headers={"Authorization": "Bearer x"})
+        assert r.status == 404
+        assert "error" in await r.json()
+
+
+async def test_graceful_shutdown_drains_open_streams() -> None:
+    hold = asyncio.Event()
+    async with gateway_stack(1, hold=hold) as st, aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": "p", "stream": True}
+        async with s.post(st.url + "/v1/completions", json=body) as r:
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+            shutdown = asyncio.create_task(st.runner.cleanup())
+            await wait_until(lambda: st.gateway.shutting_down)
+            hold.set()
+            rest = await asyncio.wait_for(r.read(), 5)
+        await asyncio.wait_for(shutdown, 5)
+        assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_tcp_nodelay_on_both_sides() -> None:
+    async with gateway_stack(1) as st, aiohttp.ClientSession() as s:
+        await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        # The socket the gateway opened to the engine, as the engine sees it accepted...
+        assert st.engines[0].peer_nodelay == [True]
+        # ...and the gateway's side of it, and the client connections the gateway accepted.
+        session = st.gateway.session
+        assert session is not None
+        upstream = [
+            proto.transport.get_extra_info("socket")
+            for conns in session.connector._conns.values()
+            for proto, _ in conns
+        ]
+        accepted = [p.transport.get_extra_info("socket") for p in st.runner.server.connections]
+        assert upstream and accepted
+        for sock in upstream + accepted:
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_upstream_unreachable_everywhere_is_a_502(streaming: bool) -> None:
+    async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
+        for e in st.engines:
+            await e.stop()
+        body = {"model": MODEL, "prompt": "x", "stream": streaming}
+        status, _, data = await post(s, st.url + "/v1/completions", body)
+        assert status in (502, 429)
+        assert "error" in orjson.loads(data)

@@ -1,0 +1,197 @@
+"""The pure Router driven with events and virtual time: bookkeeping around the policies."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from broker.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    Event,
+    FirstToken,
+    LoadHeartbeat,
+    RequestFinished,
+    RequestRejected,
+)
+from engine_reporter.hashing import chain_hashes, split_blocks
+from router.api import RouteRequest
+from router.cluster import ClusterConfig
+from router.core import Router, RouterConfig
+
+BLOCK = 64
+
+
+class Fleet:
+    """Engines publishing into one Router by hand, with per-engine sequence numbers."""
+
+    def __init__(self, n: int = 3, policy: str = "e2", **cluster) -> None:
+        self.router = Router(RouterConfig(policy, {}, ClusterConfig(**cluster)), random.Random(0))
+        self.seq: dict[str, int] = {}
+        self.epoch: dict[str, str] = {}
+        for i in range(n):
+            self.send(f"e{i}", AllCleared(), 0.0)  # a reporting engine starts empty
+            self.heartbeat(f"e{i}", 0.0)
+
+    def send(self, engine: str, event: Event, now: float) -> None:
+        seq = self.seq.get(engine, 0)
+        self.seq[engine] = seq + 1
+        env = Envelope(engine, self.epoch.setdefault(engine, "ep1"), seq, now, event)
+        self.router.apply(env, now)
+
+    def heartbeat(self, engine: str, now: float, **kw) -> None:
+        fields = dict(
+            waiting=0, running=0, queued_prefill_tokens=0, kv_blocks_used=0,
+            kv_blocks_total=14_000, vbs=0.0, profile="mistral-7b-a6000",
+            url=f"http://{engine}", models=("m",),
+        )  # fmt: skip
+        fields.update(kw)
+        self.send(engine, LoadHeartbeat(**fields), now)
+
+    def cache(self, engine: str, key: bytes, now: float) -> list[int]:
+        blocks = list(split_blocks(key, BLOCK))
+        hashes = chain_hashes(None, blocks)
+        self.send(engine, BlockStored(None, tuple(hashes), tuple(blocks)), now)
+        return hashes
+
+    def route(self, rid: str, key: bytes, now: float, **kw):
+        req = RouteRequest(
+            rid, kw.pop("model", "m"), key, len(key) // 4, kw.pop("max_tokens", 50), **kw
+        )
+        return self.router.route(req, now)
+
+
+PROMPT = bytes(range(256)) * 64  # 16 KiB
+
+
+def test_decisions_follow_published_cache_contents() -> None:
+    f = Fleet()
+    hashes = f.cache("e1", PROMPT, 0.1)
+    d = f.route("r1", PROMPT + b"question one", 1.0)
+    assert (d.engine_id, d.reason, d.matched_bytes) == ("e1", "exploit", len(PROMPT))
+    # the engine evicts the second half: a key sharing only the first quarter is no exploit
+    f.send("e1", BlockRemoved(tuple(hashes[len(hashes) // 4 :])), 2.0)
+    f.router.cluster.spec.clear_engine("e1")  # drop the router's own guess from r1
+    m = f.router.cluster.match(PROMPT)[1]
+    assert m == {"e1": len(PROMPT) // 4}
+
+
+def test_burst_of_one_new_prefix_is_explored_once() -> None:
+    f = Fleet(n=4, speculative_ttl_s=5.0)
+    key = b"new shared prefix " * 500
+    decisions = [f.route(f"r{i}", key + str(i).encode(), 1.0 + i * 0.001) for i in range(10)]
+    first = decisions[0]
+    assert first.reason in ("explore", "pd_balance")
+    assert {d.engine_id for d in decisions} == {first.engine_id}
+    assert all(d.reason == "exploit" for d in decisions[1:])
+    # nobody confirms: the speculative entries expire
+    f.router.cluster.expire(100.0)
+    assert f.router.cluster.match(key)[1] == {}
+
+
+def test_inflight_released_by_finish_reject_report_and_timeout() -> None:
+    f = Fleet(n=1, inflight_timeout_s=60.0)
+    for rid in ("a", "b", "c", "d"):
+        f.route(rid, b"x" * 100, 1.0)
+    cl = f.router.cluster
+    assert cl.engines["e0"].inflight == 4
+    f.send("e0", FirstToken("a", 50.0), 1.5)
+    f.send("e0", RequestFinished("a", 10, 50.0, 20.0), 2.0)
+    f.send("e0", RequestRejected("b", "slo"), 2.0)
+    assert f.router.report("c", "e0", "failed", 2.0)
+    assert not f.router.report("c", "e0", "failed", 2.0)  # already released
+    assert cl.engines["e0"].inflight == 1
+    f.heartbeat("e0", 100.0)
+    cl.expire(100.0)
+    assert cl.engines["e0"].inflight == 0
+    assert cl.released_by == {"event": 2, "report": 1, "timeout": 1}
+
+
+def test_tpot_median_feeds_the_load_term() -> None:
+    f = Fleet(n=1)
+    cl = f.router.cluster
+    assert cl.engines["e0"].tpot_ms == 150.0  # seeded
+    for i, tpot in enumerate((10.0, 30.0, 20.0)):
+        f.route(f"r{i}", b"y" * 64, 1.0)
+        f.send("e0", RequestFinished(f"r{i}", 5, 10.0, tpot), 1.0)
+    assert cl.engines["e0"].tpot_ms == 20.0
+    f.route("r9", b"z" * 64, 2.0)
+    view = cl.engine_view(cl.engines["e0"])
+    window = cl.engines["e0"]
+    assert view.load_ms == pytest.approx(window.load_prefill_ms + window.load_out_tokens * 20.0)
+
+
+def test_new_epoch_and_all_cleared_forget_the_engine_cache() -> None:
+    f = Fleet()
+    f.cache("e1", PROMPT, 0.1)
+    assert f.router.cluster.tree.match(PROMPT).per_engine == {"e1": len(PROMPT)}
+    f.send("e1", AllCleared(), 0.2)
+    assert f.router.cluster.tree.match(PROMPT).per_engine == {}
+    f.cache("e1", PROMPT, 0.3)
+    f.epoch["e1"] = "ep2"  # the engine restarted
+    f.heartbeat("e1", 0.4)
+    assert f.router.cluster.tree.match(PROMPT).per_engine == {}
+
+
+def test_candidates_exclude_dead_draining_excluded_and_other_models() -> None:
+    f = Fleet(n=3, heartbeat_ttl_s=10.0)
+    f.heartbeat("e0", 5.0)
+    f.heartbeat("e1", 5.0, models=("other",))
+    f.heartbeat("e2", 0.0)
+    f.router.add_static_engine("s0", "http://s0", ["m"])
+    assert f.route("r1", b"k" * 10, 12.0).engine_id in {"e0", "s0"}  # e2 is dead, e1 wrong model
+    f.router.set_draining("s0", True)
+    assert {f.route(f"r{i}", b"k" * 10, 12.0).engine_id for i in range(5)} == {"e0"}
+    d = f.route("r9", b"k" * 10, 12.0, exclude=frozenset({"e0"}))
+    assert d.shed and "no live engine" in d.detail
+    infos = {e.engine_id: e for e in f.router.engines(12.0)}
+    assert not infos["e2"].alive and infos["s0"].static and infos["s0"].draining
+
+
+def test_approximate_mode_learns_from_decisions_alone() -> None:
+    r = Router(RouterConfig("e2", {}, ClusterConfig(approximate=True)), random.Random(1))
+    for i in range(4):
+        r.add_static_engine(f"s{i}", f"http://s{i}", ["m"])
+    key = b"system prompt " * 300
+    first = r.route(RouteRequest("a", "m", key + b"1", 1000, 10), 1.0)
+    # long after a reporting engine's speculative TTL, the approximate entry still holds
+    second = r.route(RouteRequest("b", "m", key + b"2", 1000, 10), 300.0)
+    assert second.engine_id == first.engine_id and second.reason == "exploit"
+    assert r.route(RouteRequest("c", "m", key + b"3", 1000, 10), 2000.0).reason != "exploit"
+
+
+def test_rebalance_moves_a_prefix_group_end_to_end() -> None:
+    f = Fleet(n=2, policy="e2")
+    f.router.policy = type(f.router.policy)(
+        type(f.router.policy.config)(pd_balance=False, slo_filter=False, warmup_requests=5)
+    )
+    hot = [bytes([65 + g]) * 2048 for g in range(4)]
+    for g, key in enumerate(hot):
+        f.cache("e0", key, 0.1 + g)  # e0 caches every group: exploit piles everything on e0
+    reasons = [f.route(f"r{i}", hot[i % 4] + b"?", 1.0 + i).reason for i in range(12)]
+    for e in ("e0", "e1"):
+        f.heartbeat(e, 19.0)
+    # e1 needs its warm-up first: route unrelated prompts to it
+    for i in range(6):
+        f.route(f"w{i}", bytes([i]) * 4000 + b"!", 20.0 + i)
+    assert f.router.cluster.engines["e1"].routed_total == 6
+    assert "rebalance" not in reasons
+    reasons = [f.route(f"s{i}", hot[i % 4] + b"?", 30.0 + i).reason for i in range(8)]
+    assert "rebalance" in reasons
+    assert f.router.cluster.moves >= 1
+
+
+def test_state_is_json_ready_and_counts_decisions() -> None:
+    import orjson
+
+    f = Fleet()
+    f.cache("e1", PROMPT, 0.1)
+    f.route("r1", PROMPT, 1.0)
+    st = f.router.state(2.0)
+    orjson.dumps(st)
+    assert st["tree"]["bytes"] >= len(PROMPT)
+    assert st["hits"]["routed_matched_bytes"] == len(PROMPT)
+    assert {"policy": "e2", "reason": "exploit", "count": 1} in st["decisions"]

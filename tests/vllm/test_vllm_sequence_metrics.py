@@ -1,0 +1,105 @@
+"""The sequence tracker's verdicts and the /metrics -> heartbeat mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_reporter.vllm.metrics import (
+    MetricsError,
+    build_heartbeat,
+    parse_metrics,
+    served_models,
+)
+from engine_reporter.vllm.sequence import SeqTracker, usable_run
+
+METRICS = Path(__file__).with_name("data") / "vllm_metrics.txt"
+
+
+def test_in_order_gap_and_restart() -> None:
+    t = SeqTracker()
+    assert t.on_message(0).kind == "apply"
+    t.applied(0)
+    assert t.on_message(1).kind == "apply"
+    t.applied(1)
+    v = t.on_message(5)
+    assert (v.kind, v.replay_from) == ("fill", 2)
+    t.applied(5)
+    v = t.on_message(0)
+    assert v.kind == "restart" and t.expected is None
+    t.applied(0)
+    v = t.on_message(3)
+    assert (v.kind, v.replay_from) == ("fill", 1)
+
+
+def test_started_late_fills_from_zero_and_restart_mid_count() -> None:
+    t = SeqTracker()
+    assert (t.on_message(40).kind, t.on_message(40).replay_from) == ("fill", 0)
+    t.applied(40)
+    v = t.on_message(7)  # a new vLLM process that already published 0..6
+    assert (v.kind, v.replay_from) == ("restart", 0)
+
+
+def test_replayed_batches_seen_again_on_pub_are_stale() -> None:
+    t = SeqTracker()
+    for s in range(0, 10):
+        t.applied(s)
+    t.replayed(3, 9)
+    assert t.on_message(8).kind == "stale"
+    assert t.on_message(9).kind == "stale"
+    assert t.on_message(10).kind == "apply"
+    t.applied(10)
+    assert t.on_message(4).kind == "restart"  # the window closed once new batches arrived
+
+
+def test_usable_run() -> None:
+    assert usable_run([2, 3, 4], 2, 5) == ([2, 3, 4], True)
+    assert usable_run([1, 2, 3, 4, 5, 9], 2, 5) == ([2, 3, 4], True)
+    assert usable_run([3, 4], 2, 5) == ([3, 4], False)  # batch 2 is gone
+    assert usable_run([2, 4], 2, 5) == ([4], False)  # batch 3 is gone
+    assert usable_run([2, 3], 2, 5) == ([], False)  # batch 4 is gone: nothing connects
+    assert usable_run([], 5, 5) == ([], True)
+    assert usable_run([7, 8, 9], 0, None) == ([7, 8, 9], False)
+    assert usable_run([0, 1], 0, None) == ([0, 1], True)
+
+
+def test_metrics_to_heartbeat() -> None:
+    load = parse_metrics(METRICS.read_text())
+    assert (load.waiting, load.running) == (3, 2)
+    assert load.kv_usage == pytest.approx(0.25)
+    assert load.kv_blocks_total == 32768 and load.block_size == 32
+    assert load.mean_prompt_tokens == pytest.approx(1056 / 4)
+    assert load.prefix_hit_rate == pytest.approx(480 / 1056)
+    assert load.process_start_time == pytest.approx(1.79533398523e9)
+    hb = build_heartbeat(
+        load, url="http://127.0.0.1:8111", models=("tiny",), profile="p", fallback_blocks=7
+    )
+    assert hb.kv_blocks_total == 32768 and hb.kv_blocks_used == 8192
+    assert hb.queued_prefill_tokens == round(3 * 264 * (1 - 480 / 1056))
+    assert (hb.waiting, hb.running, hb.vbs) == (3, 2, 2.0)
+    assert hb.url == "http://127.0.0.1:8111" and hb.models == ("tiny",)
+
+
+def test_older_metric_names_and_missing_figures() -> None:
+    text = (
+        "# TYPE vllm:gpu_cache_usage_perc gauge\n"
+        'vllm:gpu_cache_usage_perc{model_name="a"} 0.5\n'
+        'vllm:num_requests_running{model_name="a"} 1\n'
+        'vllm:num_requests_running{model_name="b"} 2\n'
+    )
+    load = parse_metrics(text)
+    assert load.running == 3 and load.waiting == 0 and load.kv_usage == 0.5
+    assert load.kv_blocks_total is None and load.mean_prompt_tokens is None
+    hb = build_heartbeat(load, url="http://x:1", models=(), profile="p", fallback_blocks=100)
+    assert (hb.kv_blocks_total, hb.kv_blocks_used, hb.queued_prefill_tokens) == (100, 50, 0)
+
+
+def test_bad_metrics_text_raises_metrics_error() -> None:
+    with pytest.raises(MetricsError):
+        parse_metrics('vllm:num_requests_running{model_name="a" 1\n')
+
+
+def test_served_models() -> None:
+    assert served_models({"data": [{"id": "tiny"}, {"id": ""}, {"x": 1}, "junk"]}) == ("tiny",)
+    assert served_models({"data": "nope"}) == () and served_models(["x"]) == ()
