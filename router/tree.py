@@ -105,8 +105,12 @@ class _BlockIndex:
     def put(self, h: int, nid: int, end: int, length: int) -> None:
         """Insert or overwrite block ``h``."""
         if h == 0 or end > _END_MASK or length > _LEN_MASK or nid >> _NID_BITS:
+            if h:
+                self._delete_slot(h)
             self.wide[h] = (nid, end, length)
             return
+        if self.wide:
+            self.wide.pop(h, None)
         v = (nid << (_END_BITS + _LEN_BITS)) | (end << _LEN_BITS) | length
         keys = self._keys
         i = h & self._mask
@@ -125,9 +129,14 @@ class _BlockIndex:
             i += 1
 
     def delete(self, h: int) -> None:
-        """Remove ``h`` (backward-shift deletion: no tombstones)."""
-        if h == 0 or self.wide.pop(h, None) is not None:
-            return
+        """Remove ``h``."""
+        if self.wide:
+            self.wide.pop(h, None)
+        if h:
+            self._delete_slot(h)
+
+    def _delete_slot(self, h: int) -> None:
+        """Backward-shift deletion from the table: no tombstones."""
         keys, vals, mask = self._keys, self._vals, self._mask
         i = h & mask
         while True:

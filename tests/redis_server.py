@@ -30,20 +30,26 @@ def _answers(host: str, port: int) -> bool:
         return False
 
 
-def redis_server_binary() -> str:
-    path = shutil.which("redis-server")
+def system_binary(name: str, debian_package: str) -> str:
+    """Path of a system tool the tests need, installed with apt-get when missing (never skipped)."""
+    path = shutil.which(name)
     if path:
         return path
     subprocess.run(
-        "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server",
+        "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+        + debian_package,
         shell=True,
-        check=True,
-        timeout=600,
+        check=False,
+        timeout=900,
     )
-    path = shutil.which("redis-server")
+    path = shutil.which(name)
     if not path:
-        raise RuntimeError("redis-server could not be installed; the Redis tests cannot run")
+        raise RuntimeError(f"{name} (Debian package {debian_package}) could not be installed")
     return path
+
+
+def redis_server_binary() -> str:
+    return system_binary("redis-server", "redis-server")
 
 
 class RedisProcess:

@@ -30,6 +30,11 @@ PURE_MODULES = [
     "router/cluster.py",
     "router/core.py",
     "router/wire.py",
+    "bench/sim/loop.py",
+    "bench/sim/world.py",
+    "bench/metrics.py",
+    "bench/workloads/request.py",
+    "bench/workloads/transform.py",
 ]
 # Whole packages whose every module is pure.
 PURE_PACKAGES = ["engine/scheduler", "router/policies"]

@@ -74,6 +74,7 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
         engines,
         profile=profile,
         make_engine_request=_engine_request,
+        rng=random.Random(f"link:{cfg.link.seed}"),
         link=cfg.link,
     )
     if cfg.static_engines:

@@ -22,7 +22,6 @@ crosses the same contract as in production, with the delays made explicit.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,6 +32,12 @@ from bench.workloads import Request
 from broker.events import Envelope, Event
 from kvgate.cost_model import CostProfile
 from router.api import Decision, RouteRequest
+
+
+class Rng(Protocol):
+    """The part of ``random.Random`` the world uses (injected: pure cores import no random)."""
+
+    def random(self) -> float: ...
 
 
 class RouterLike(Protocol):
@@ -123,6 +128,7 @@ class World:
         *,
         profile: CostProfile,
         make_engine_request: Callable[[Request, bytes, float], Any],
+        rng: Rng,
         link: LinkConfig | None = None,
         models: tuple[str, ...] = ("kvgate-sim",),
         url_prefix: str = "sim://",
@@ -133,7 +139,7 @@ class World:
         self.models = models
         self.loop = EventLoop()
         self._make_engine_request = make_engine_request
-        self._rng = random.Random(f"link:{self.link.seed}")
+        self._rng = rng  # link jitter only; seeded by the caller
         self.slots = [
             _EngineSlot(i, e, f"{url_prefix}{e.engine_id}", epoch=f"sim{self.link.seed}")
             for i, e in enumerate(engines)

@@ -9,7 +9,6 @@ import io
 import json
 import re
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from deploy_support import (
     promql_metric_names,
     rule_expressions,
 )
+from redis_server import system_binary
 
 from deploy import probe
 from deploy.fleet import FleetConfig, plan_fleet
@@ -42,11 +42,11 @@ from kvgate.cli import build_parser
 
 
 def promtool() -> str:
-    """promtool must be there: these checks fail rather than skip (apt-get install prometheus)."""
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool not found: install the Debian package 'prometheus' (apt-get)")
-    return path
+    """promtool must be there: installed with apt-get when missing; these checks never skip."""
+    try:
+        return system_binary("promtool", "prometheus")
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 # ---- parsing -------------------------------------------------------------------------------

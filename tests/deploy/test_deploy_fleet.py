@@ -189,6 +189,9 @@ def test_requests_through_both_gateways(fleet: tuple[FleetRun, dict[str, Any]]) 
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     # Both gateways asked the one remote router (no gateway fell back to its own routing).
+    (router,) = urls(status, "router")
+    router_metrics, _ = scrape(router)
+    assert router_metrics.get("kvgate_router_decisions_total", 0) >= 2 * GATEWAYS
     for base in gateways:
         metrics, _ = scrape(base)
         assert metrics.get("kvgate_gateway_routing_decisions_total", 0) >= 2, base

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_reporter.hashing import block_hash
-from router.tree import RadixTree
+from router.tree import RadixTree, _BlockIndex, lcp_at
 
 ENGINES = ("e0", "e1", "e2")
 BLOCK = 3  # fixed-size blocks, as real engines cache
@@ -150,3 +150,69 @@ def test_property_test_exercises_matches() -> None:
     test_tree_agrees_with_naive_model()
     assert STATS["nonempty"] > 100
     assert STATS["partial"] > 20
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.sampled_from(ENGINES),
+            st.binary(min_size=1, max_size=8).map(lambda b: bytes(x % 2 + 97 for x in b)),
+        ),
+        max_size=40,
+    )
+)
+def test_key_coverage_is_reference_counted(ops: list) -> None:
+    """Speculative/approximate entries: a key stays matched while any reference to it (or to a
+    longer key through it) remains; nodes nobody references are freed."""
+    tree = RadixTree()
+    live: list[tuple[str, bytes]] = []
+    for add, engine, key in ops:
+        if add or not live:
+            tree.add_key(engine, key, 0.0)
+            live.append((engine, key))
+        else:
+            engine, key = live.pop(len(key) % len(live))
+            tree.drop_key(engine, key)
+        for probe in {k for _, k in live} | {key}:
+            expected = {}
+            for e, k in live:
+                n = _lcp(probe, k)
+                if n > expected.get(e, 0):
+                    expected[e] = n
+            expected = {e: n for e, n in expected.items() if n}
+            assert tree.match(probe).per_engine == expected
+    for engine, key in live:
+        tree.drop_key(engine, key)
+    assert tree.total_bytes == 0 and tree.stats().nodes == 1
+
+
+def test_block_index_agrees_with_a_dict_under_collisions() -> None:
+    import random
+
+    rng = random.Random(5)
+    index = _BlockIndex(bits=4)  # tiny: long probe runs, many rebuilds
+    ref: dict[int, tuple[int, int, int]] = {}
+    keys = [rng.randrange(1 << 64) for _ in range(300)] + [0, 16, 32, 48]  # same home slot
+    for step in range(5000):
+        h = keys[rng.randrange(len(keys))]
+        if rng.random() < 0.6:
+            v = (rng.randrange(1 << 20), rng.randrange(1 << 30), rng.randrange(1 << 13))
+            index.put(h, *v)
+            ref[h] = v
+        else:
+            index.delete(h)
+            ref.pop(h, None)
+        if step % 97 == 0:
+            assert all(index.get(k) == ref.get(k) for k in keys)
+    assert len(index) == len(ref)
+    assert sorted((h, *v) for h, v in ref.items()) == sorted(index.items())
+
+
+def test_lcp_at() -> None:
+    a = b"abcdefgh" * 100
+    b = a[:333] + b"X" + a[334:]
+    assert lcp_at(a, 0, b, 0, len(a)) == 333
+    assert lcp_at(a, 8, a, 0, 792) == 792
+    assert lcp_at(a, 1, b, 0, 10) == 0
