@@ -114,7 +114,7 @@ def plan_fleet(config: FleetConfig, broker_url: str, ports: Iterator[int]) -> li
         str(router_port),
         "--broker",
         broker_url,
-        "--prefix",
+        "--broker-prefix",
         config.prefix,
     ]
     if config.policy:
@@ -443,6 +443,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Redis to use; default: 127.0.0.1:6379 if it answers, else a private redis-server",
     )
     parser.add_argument(
+        "--broker-prefix",
         "--prefix",
         default=None,
         help="broker key prefix (default: a fresh 'kvgate-up:<pid>:' so fleets sharing one "
@@ -489,7 +490,7 @@ def config_from_args(args: argparse.Namespace) -> FleetConfig:
         model=args.model,
         profile=args.profile,
         policy=args.policy,
-        prefix=args.prefix or f"kvgate-up:{os.getpid()}:",
+        prefix=args.broker_prefix or f"kvgate-up:{os.getpid()}:",
         engine_args=_split(args.engine_args),
         router_args=_split(args.router_args),
         gateway_args=_split(args.gateway_args),

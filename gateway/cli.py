@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use a remote `kvgate router` at this URL instead of the embedded router",
     )
     r.add_argument(
+        "--broker",
         "--broker-url",
+        dest="broker_url",
         default=os.environ.get("KVGATE_BROKER_URL", "memory://"),
         help="embedded router's broker: memory://, redis://, rediss://, redis+sentinel:// "
         "(env KVGATE_BROKER_URL; default %(default)s)",

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import random
+import signal
 
 from aiohttp import web
 
@@ -21,7 +22,9 @@ log = logging.getLogger("kvgate.router")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", default="redis://127.0.0.1:6379/0", help="broker URL")
-    parser.add_argument("--prefix", default="kvgate:", help="broker key prefix")
+    parser.add_argument(
+        "--broker-prefix", "--prefix", dest="prefix", default="kvgate:", help="broker key prefix"
+    )
     parser.add_argument("--policy", default="e2", choices=sorted(POLICIES), help="routing policy")
     parser.add_argument(
         "--policy-option",
@@ -106,8 +109,13 @@ async def serve(args: argparse.Namespace, router: Router) -> None:
         "router listening",
         extra={"host": args.host, "port": args.port, "policy": args.policy, "broker": args.broker},
     )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # Kubernetes sends SIGTERM: shut down cleanly
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        log.info("router stopping")
     finally:
         await runner.cleanup()
         await broker.close()

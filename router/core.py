@@ -68,14 +68,12 @@ class Router:
         self._count(decision)
         if decision.engine_id is None:
             return decision
+        before = view.engine(decision.engine_id)
         cl.record_route(req, decision.engine_id, match, matched, group, now)
         self.routed_key_bytes += len(req.key)
         self.routed_matched_bytes += decision.matched_bytes
-        refreshed = [
-            cl.engine_view(cl.engines[ev.engine_id]) if ev.engine_id == decision.engine_id else ev
-            for ev in engines
-        ]
-        view = View(cl, refreshed, matched, self.rng, model=req.model, exclude=req.exclude, now=now)
+        if before is not None:  # the chosen engine's load changed: refresh its view in place
+            engines[engines.index(before)] = cl.engine_view(cl.engines[decision.engine_id])
         moves = self.policy.rebalance(ctx, view, now)
         if moves:
             cl.apply_moves(moves, now)
@@ -121,9 +119,9 @@ class Router:
         return self.cluster.infos(now)
 
     def state(self, now: float) -> dict:
-        """Engines, loads, tree size and hit statistics (``GET /state``), JSON-ready."""
+        """Engines, loads, tree size and hit statistics (``GET /state``), JSON-ready. Read-only:
+        ``now`` only ages heartbeats (pass the clock the router is fed with)."""
         cl = self.cluster
-        cl.expire(now)
         ttl = cl.config.heartbeat_ttl_s
         engines = []
         for eng in sorted(cl.engines.values(), key=lambda e: e.engine_id):

@@ -115,6 +115,11 @@ class _StateCollector(Collector):
         now = self.service.clock()
         st = router.cluster.tree.stats()
         yield GaugeMetricFamily("kvgate_router_tree_bytes", "Key bytes in the radix tree", st.bytes)
+        yield GaugeMetricFamily(
+            "kvgate_router_tree_budget_bytes",
+            "Byte budget of the radix tree (nodes no engine holds are dropped above it)",
+            router.cluster.tree.budget_bytes,
+        )
         yield GaugeMetricFamily("kvgate_router_tree_nodes", "Radix tree nodes", st.nodes)
         yield GaugeMetricFamily(
             "kvgate_router_tree_index_entries", "Block hashes indexed", st.index_entries

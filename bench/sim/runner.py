@@ -26,6 +26,8 @@ from bench.sim.world import LinkConfig, World
 from bench.workloads import Request, WorkloadOptions, build_workload, describe, scale_rate
 from engine.core import EngineCore, EngineRequest, SchedulerConfig
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
+from router.api import Decision, RouteRequest
+from router.core import Router
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,25 @@ def _engine_request(req: Request, key: bytes, arrival: float) -> EngineRequest:
     )
 
 
+class _TimedRouter:
+    """Delegates to the real router and adds up the wall time of ``route`` calls (the
+    router's decision rate is one of the reported figures)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.route_s = 0.0
+        self.apply = router.apply
+        self.report = router.report
+        self.add_static_engine = router.add_static_engine
+
+    def route(self, req: RouteRequest, now: float) -> Decision:
+        t0 = time.perf_counter()
+        try:
+            return self.router.route(req, now)
+        finally:
+            self.route_s += time.perf_counter() - t0
+
+
 def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
     """One router (``policy`` spec), ``cfg.engines`` engine cores (``scheduler``), wired."""
     profile: CostProfile = load_profile(cfg.profile)
@@ -68,7 +89,7 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
     # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
     sched_cfg = SchedulerConfig(stream_outputs=False)
     engines = [EngineCore(eid, profile, policy=scheduler, config=sched_cfg) for eid in ids]
-    router = make_router(policy, random.Random(f"router:{cfg.seed}"))
+    router = _TimedRouter(make_router(policy, random.Random(f"router:{cfg.seed}")))
     world = World(
         router,
         engines,
@@ -108,6 +129,7 @@ def run_one(
         profile_path.parent.mkdir(parents=True, exist_ok=True)
         profiler.dump_stats(str(profile_path))
     ids = [s.core.engine_id for s in world.slots]
+    route_s = world.router.route_s if isinstance(world.router, _TimedRouter) else 0.0
     summary = summarize(world.records, engines=ids)
     st = world.stats
     return {
@@ -121,6 +143,8 @@ def run_one(
             "events": world.loop.processed,
             "events_per_s": round(world.loop.processed / wall, 1) if wall > 0 else None,
             "route_calls": st.route_calls,
+            "route_us_mean": round(route_s / st.route_calls * 1e6, 1) if st.route_calls else None,
+            "decisions_per_s": round(st.route_calls / route_s, 1) if route_s > 0 else None,
             "envelopes": st.envelopes,
             "deliveries": st.deliveries,
             "heartbeats": st.heartbeats,

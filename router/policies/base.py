@@ -30,7 +30,7 @@ class Rng(Protocol):
     def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # a snapshot: equal only to itself
 class EngineView:
     """One engine as policies see it at decision time. Loads in ms of work (Preble's L)."""
 
@@ -54,10 +54,16 @@ def prefill_cost_ms(
 ) -> float:
     """Preble's P_i: prefill time of the key's part not cached on ``ev`` (after the cached
     part), on ``ev``'s profile; memoised per decision in ``cache`` (most engines share a value)."""
-    ck = (ev.profile.name, matched)
+    return prefill_cost_ms_for(ev.profile, key_len, cache, matched)
+
+
+def prefill_cost_ms_for(
+    prof: CostProfile, key_len: int, cache: dict[tuple[str, int], float], matched: int = 0
+) -> float:
+    """:func:`prefill_cost_ms` for a profile."""
+    ck = (prof.name, matched)
     p = cache.get(ck)
     if p is None:
-        prof = ev.profile
         cached = prof.cached_tokens_for_bytes(matched)
         p = cache[ck] = prof.prefill_ms(max(prof.tokens_for_bytes(key_len) - cached, 1), cached)
     return p

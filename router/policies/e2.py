@@ -32,10 +32,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from router.api import Candidate, Decision, Reason
 from router.policies.base import (
-    MAX_LISTED,
     ClusterView,
     EngineView,
     Move,
@@ -63,7 +63,12 @@ class E2Config:
     min_group_requests: int = 2
     replicate_ttft_ratio: float = 2.0
     pd_hit_ratio: float = 0.7
-    max_candidates: int = 8  # cheapest engines listed in an explore decision (plus holders)
+    max_candidates: int = 4  # cheapest engines listed in an explore decision (plus holders)
+
+
+TIE_LIMIT = 8  # equally cheap engines considered for the tie-break
+_LOAD = attrgetter("load_ms")
+_ROUTED = attrgetter("routed_total")
 
 
 class E2(PolicyBase):
@@ -131,39 +136,49 @@ class E2(PolicyBase):
         ok: Callable[[EngineView], bool],
         p_cache: dict[tuple[str, int], float],
     ) -> Decision | None:
-        """Cheapest feasible engine by L + M + P. L + P for everyone (P memoised per distinct
-        match); M (>= 0) only while it can still change the answer: branch and bound."""
+        """Cheapest feasible engine by L + M + P. ``L + P`` for everyone (P computed once for
+        the engines holding part of the key and once per profile for the rest), then walk them
+        cheapest first computing feasibility and M (>= 0) only while it can still change the
+        answer: branch and bound."""
         cfg = self.config
         matched = view.matched
         key_len = ctx.key_len
-        scored: list[tuple[float, float, int, int, EngineView, float]] = []
-        use_p = cfg.prefill_term
-        unmatched_p: dict[str, float] = {}  # most engines hold none of the key: one P each
+        engines = view.engines
         get = matched.get
-        for i, ev in enumerate(view.engines):
-            if not use_p:
-                p = 0.0
-            elif m := get(ev.engine_id, 0):
-                p = prefill_cost_ms(ev, key_len, m, p_cache)
-            else:
-                name = ev.profile.name
-                p = unmatched_p.get(name)  # type: ignore[assignment]
+        if cfg.prefill_term:
+            # P depends on (profile, matched bytes) only: memoise per matched value and profile
+            by_m: dict[tuple[str, int], float] = {}
+
+            def p_of(ev: EngineView) -> float:
+                k = (ev.profile.name, get(ev.engine_id, 0))
+                p = by_m.get(k)
                 if p is None:
-                    p = unmatched_p[name] = prefill_cost_ms(ev, key_len, 0, p_cache)
-            scored.append((ev.load_ms + p, ev.load_ms, ev.inflight, i, ev, p))
-        scored.sort()  # by L + P, then load, then in flight (i: never compares views)
-        pools: list[tuple[Reason, list]] = []
+                    p = by_m[k] = prefill_cost_ms(ev, key_len, k[1], p_cache)
+                return p
+
+            lps = [ev.load_ms + p_of(ev) for ev in engines]
+        else:
+
+            def p_of(ev: EngineView) -> float:
+                return 0.0
+
+            lps = [ev.load_ms for ev in engines]
+        pools: list[tuple[Reason, list[int]]] = []
         if cfg.pd_balance:
-            decode_heavy = [s for s in scored if s[4].hit_ratio >= cfg.pd_hit_ratio]
+            thr = cfg.pd_hit_ratio
+            decode_heavy = [i for i, ev in enumerate(engines) if ev.hit_ratio >= thr]
             if decode_heavy:
-                pools.append(("pd_balance", decode_heavy))
-        pools.append(("explore", scored))
+                pools.append(("pd_balance", sorted(decode_heavy, key=lps.__getitem__)))
+        order = sorted(range(len(engines)), key=lps.__getitem__)
+        pools.append(("explore", order))
         for reason, pool in pools:
-            costs: list[tuple[float, float, int, float, EngineView, float, float]] = []
-            best_total = float("inf")
-            for lp, load, inflight, _, ev, p in pool:
-                if lp > best_total:
+            best = float("inf")
+            evaluated: list[tuple[float, EngineView, float]] = []  # (total, view, M)
+            for i in pool:
+                lp = lps[i]
+                if lp > best or (lp == best and len(evaluated) >= TIE_LIMIT):
                     break
+                ev = engines[i]
                 if not ok(ev):
                     continue
                 mcost = 0.0
@@ -171,29 +186,33 @@ class E2(PolicyBase):
                     need = key_len - matched.get(ev.engine_id, 0) - ev.free_bytes
                     if need > 0:
                         mcost = view.eviction_ms(ev.engine_id, need, now)
-                total = lp + mcost
-                best_total = min(best_total, total)
-                costs.append((total, load, inflight, view.rng.random(), ev, mcost, p))
-            if not costs:
+                evaluated.append((lp + mcost, ev, mcost))
+                best = min(best, lp + mcost)
+            if not evaluated:
                 continue
-            costs.sort(key=lambda c: c[:4])
-            chosen = costs[0][4]
-            listed = {c[4].engine_id for c in costs[: cfg.max_candidates]}
-            listed.update(s[4].engine_id for s in scored[: cfg.max_candidates])
-            listed.update(
-                e for e, _ in heapq.nlargest(MAX_LISTED, matched.items(), key=lambda kv: kv[1])
-            )
-            cands = {
-                ev.engine_id: Candidate(
-                    ev.engine_id, matched.get(ev.engine_id, 0), ev.load_ms, mc, p
-                )
-                for _, _, _, _, ev, mc, p in costs
-                if ev.engine_id in listed
-            }
-            for _, _, _, _, ev, p in scored:
-                if ev.engine_id in listed and ev.engine_id not in cands:
+            # ties on cost break on load, then in flight, then the rng
+            finalists = [t for t in evaluated if t[0] == best]
+            key = min(by_load(t[1]) for t in finalists)
+            finalists = [t for t in finalists if by_load(t[1]) == key]
+            pick = finalists[view.rng.randrange(len(finalists))] if len(finalists) > 1 else None
+            chosen = (pick or finalists[0])[1]
+            # explain: the chosen, the next cheapest, and the engines holding the most of the key
+            m_of = {t[1].engine_id: t[2] for t in evaluated}
+            listed = [chosen, *(engines[i] for i in order[: cfg.max_candidates])]
+            for engine_id, _ in heapq.nlargest(
+                cfg.max_candidates, matched.items(), key=lambda kv: kv[1]
+            ):
+                if (ev := view.engine(engine_id)) is not None:
+                    listed.append(ev)
+            cands: dict[str, Candidate] = {}
+            for ev in listed:
+                if ev.engine_id not in cands:
                     cands[ev.engine_id] = Candidate(
-                        ev.engine_id, matched.get(ev.engine_id, 0), ev.load_ms, 0.0, p
+                        ev.engine_id,
+                        get(ev.engine_id, 0),
+                        ev.load_ms,
+                        m_of.get(ev.engine_id, 0.0),
+                        p_of(ev),
                     )
             return decide(self.name, reason, chosen, view, candidates=list(cands.values()))
         return None
@@ -203,10 +222,10 @@ class E2(PolicyBase):
         engines = view.engines
         if not cfg.rebalance or len(engines) < 2:
             return ()
-        if any(ev.routed_total < cfg.warmup_requests for ev in engines):
+        if min(map(_ROUTED, engines)) < cfg.warmup_requests:
             return ()
-        busiest = max(engines, key=lambda ev: ev.load_ms)
-        least = min(engines, key=lambda ev: ev.load_ms)
+        busiest = max(engines, key=_LOAD)
+        least = min(engines, key=_LOAD)
         hi, lo = busiest.load_ms, least.load_ms
         if hi <= 0.0 or hi < cfg.rebalance_ratio * lo:
             return ()

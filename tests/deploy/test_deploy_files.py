@@ -310,15 +310,11 @@ def test_dockerfile_runs_as_non_root_from_python_311_slim() -> None:
     assert (ROOT / "pyproject.toml").is_file()
 
 
-def test_tree_budget_alert_matches_the_routers_budget() -> None:
-    """The alert's constant and every router's --tree-budget-mb are the same number."""
+def test_tree_budget_alert_is_relative_to_the_routers_budget() -> None:
+    """The alert compares the tree with the budget each router exports, and every deployed
+    router states its budget explicitly (so the memory limit beside it can be sized)."""
     (rule,) = [e for name, e in rule_expressions() if name == "KvgateRouterTreeNearBudget"]
-    match = re.search(r"0\.9 \* (\d+) \* 1048576", rule)
-    assert match, rule
-    budgets = set()
+    assert "kvgate_router_tree_bytes / kvgate_router_tree_budget_bytes" in rule, rule
     for where, argv in all_kvgate_commands():
         if argv[0] == "router" and not where.startswith("kvgate up"):
-            flags = [a for a in argv if a.startswith("--tree-budget-mb=")]
-            assert flags, f"{where}: the router's budget is not stated"
-            budgets.add(flags[0].split("=", 1)[1])
-    assert budgets == {match.group(1)}
+            assert any(a.startswith("--tree-budget-mb=") for a in argv), where
