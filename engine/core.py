@@ -67,6 +67,8 @@ class Usage:
     cached_tokens: int
     ttft_ms: float
     tpot_ms: float
+    slo_class: str = ""
+    slo_met: bool = True  # TTFT and mean TPOT (when more than one token) within the SLO
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,12 +456,16 @@ class EngineCore:
         first = st.first_token_at if st.first_token_at is not None else st.req.arrival
         last = st.last_token_at if st.last_token_at is not None else first
         tpot = (last - first) * 1000.0 / (st.generated - 1) if st.generated > 1 else 0.0
+        ttft = (first - st.req.arrival) * 1000.0
+        slo = st.req.slo
         return Usage(
             prompt_tokens=st.req.input_tokens,
             completion_tokens=st.generated,
             cached_tokens=st.cached_tokens,
-            ttft_ms=(first - st.req.arrival) * 1000.0,
+            ttft_ms=ttft,
             tpot_ms=tpot,
+            slo_class=slo.name,
+            slo_met=ttft <= slo.ttft_ms and (st.generated <= 1 or tpot <= slo.tpot_ms),
         )
 
     def _finish(self, st: ReqState, t: float) -> Usage:

@@ -266,6 +266,12 @@ class _Metrics:
         self.requests = Counter(
             "kvgate_engine_requests", "Requests by outcome", ["outcome"], registry=r
         )
+        self.slo_requests = Counter(
+            "kvgate_engine_slo_requests",
+            "Finished requests by SLO class and whether TTFT and mean TPOT met it",
+            ["slo_class", "met"],
+            registry=r,
+        )
         self.preemptions = Counter("kvgate_engine_preemptions", "Prefill preemptions", registry=r)
         self.ttft = Histogram(
             "kvgate_engine_ttft_seconds",
@@ -288,6 +294,7 @@ class _Metrics:
 
     def observe_finish(self, usage: Usage) -> None:
         self.requests.labels("finished").inc()
+        self.slo_requests.labels(usage.slo_class, "true" if usage.slo_met else "false").inc()
         self.ttft.observe(usage.ttft_ms / 1000.0)
         if usage.completion_tokens > 1:
             self.tpot.observe(usage.tpot_ms / 1000.0)

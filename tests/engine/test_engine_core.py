@@ -135,3 +135,16 @@ def test_batch_prefill_shares_the_dense_part() -> None:
     assert prefill_batch_ms(p, [(1000, 2000)]) == pytest.approx(p.prefill_ms(1000, 2000))
     two = prefill_batch_ms(p, [(100, 0), (100, 0)])
     assert two == pytest.approx(p.prefill_ms(200)) and two < 2 * p.prefill_ms(100)
+
+
+def test_usage_says_whether_the_slo_was_met() -> None:
+    """Two 50-token prompts prefill together (100 ms), then decode in 12 ms steps (B = 2)."""
+    c = core(policy="fcfs")
+    c.submit(req("met", 50, out=3, ttft_ms=100.5, tpot_ms=12.5), 0.0)
+    c.submit(req("slow_tpot", 50, out=3, ttft_ms=10_000, tpot_ms=5, at=0.0), 0.0)
+    outs = {o.request_id: o.usage for o in run_until(c, 10.0) if o.usage is not None}
+    assert outs["met"].slo_met and outs["met"].slo_class == "custom"
+    assert not outs["slow_tpot"].slo_met
+    c.submit(req("late", 50, out=1, ttft_ms=1, at=20.0), 20.0)
+    (late,) = [o.usage for o in run_until(c, 30.0) if o.usage is not None]
+    assert late.ttft_ms > 1 and not late.slo_met
