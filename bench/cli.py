@@ -155,6 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="e2")
     p.add_argument("--scheduler", default="slo")
     p.add_argument("--tolerance", type=float, default=0.10)
+    p.add_argument("--records", action="store_true", help="also write OUT.live/.sim.jsonl")
     p.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     p.add_argument("--no-progress", action="store_true")
     # a 10-minute window, a quarter of its requests: 4 engines carry what 16 carry at full rate
@@ -266,7 +267,8 @@ def _run_fidelity(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         progress=not args.no_progress,
     )
-    result = asyncio.run(run_fidelity(spec))
+    prefix = args.out.with_suffix("") if args.records else None
+    result = asyncio.run(run_fidelity(spec, records_prefix=prefix))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     err = result["error"]

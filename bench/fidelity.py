@@ -18,13 +18,17 @@ import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from bench.metrics import summarize
+import orjson
+
+from bench.metrics import RequestRecord, summarize
 from bench.replay import ReplayConfig, replay
 from bench.sim.policies import make_router
 from bench.sim.runner import SimConfig, engine_ids, run_one
 from bench.workloads import Request, WorkloadOptions, build_workload, describe
 from kvgate.cost_model import load_profile
+from kvgate.stats import percentile
 from router.core import Router
 
 log = logging.getLogger(__name__)
@@ -66,8 +70,12 @@ async def _wait_alive(router: Router, n: int, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def run_live(requests: list[Request], spec: FidelitySpec) -> dict:
-    """Replay ``requests`` through a live loopback stack; the replay summary plus stack facts."""
+async def run_live(
+    requests: list[Request], spec: FidelitySpec, records: list[RequestRecord] | None = None
+) -> dict:
+    """Replay ``requests`` through a live loopback stack; the replay summary plus stack facts.
+
+    ``records``, when given, receives every request's record."""
     from broker import MemoryBroker
     from engine.server import EngineServerConfig
     from engine.server import serve as serve_engine
@@ -108,6 +116,8 @@ async def run_live(requests: list[Request], spec: FidelitySpec) -> dict:
         finally:
             await service.close()
         summary = summarize(result.records, engines=engine_ids(sim.engines))
+        if records is not None:
+            records.extend(result.records)
         summary["client_send_lag_ms"] = result.summary.get("client_send_lag_ms")
         summary["wall_s"] = result.summary.get("wall_s")
         return summary
@@ -119,20 +129,65 @@ async def run_live(requests: list[Request], spec: FidelitySpec) -> dict:
             await broker.close()
 
 
-def run_sim(requests: list[Request], spec: FidelitySpec) -> dict:
+def run_sim(
+    requests: list[Request], spec: FidelitySpec, records: list[RequestRecord] | None = None
+) -> dict:
     """The same requests through the simulator; its result dict (summary + sim stats)."""
-    return run_one(requests, spec.policy, spec.scheduler, spec.sim)
+    return run_one(requests, spec.policy, spec.scheduler, spec.sim, records=records)
 
 
-async def run_fidelity(spec: FidelitySpec) -> dict:
-    """Live, then simulated; the comparison document (``kind: kvgate-fidelity``)."""
+def common_ttft(live: list[RequestRecord], sim: list[RequestRecord]) -> dict:
+    """TTFT percentiles over the requests that succeeded both live and simulated.
+
+    When routing feedback (sheds, rejections) lets different requests through, percentiles over
+    each run's own successes compare different populations; this compares the same ones.
+    """
+    ok_live = {r.request_id: r.ttft_s for r in live if r.ok and r.ttft_s is not None}
+    ok_sim = {r.request_id: r.ttft_s for r in sim if r.ok and r.ttft_s is not None}
+    both = sorted(ok_live.keys() & ok_sim.keys())
+    out: dict = {"requests": len(both)}
+    for name, src in (("live", ok_live), ("sim", ok_sim)):
+        vals = [src[k] for k in both]
+        out[name] = {
+            q: round(percentile(vals, p) * 1000, 3) if vals else None
+            for q, p in (("p50", 0.5), ("p99", 0.99))
+        }
+    out["error"] = {
+        f"ttft_{q}": relative_error(out["sim"][q], out["live"][q]) for q in ("p50", "p99")
+    }
+    same_engine = {r.request_id: r.engine for r in live}
+    out["same_engine_share"] = round(
+        sum(1 for r in sim if r.engine is not None and same_engine.get(r.request_id) == r.engine)
+        / max(len(sim), 1),
+        4,
+    )
+    return out
+
+
+def write_records(path: Path, records: list[RequestRecord]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        for rec in records:
+            fh.write(orjson.dumps(rec.to_dict()) + b"\n")
+
+
+async def run_fidelity(spec: FidelitySpec, records_prefix: Path | None = None) -> dict:
+    """Simulated, then live; the comparison document (``kind: kvgate-fidelity``).
+
+    With ``records_prefix``, per-request records go to ``PREFIX.live.jsonl`` and
+    ``PREFIX.sim.jsonl``."""
     requests = build_workload(spec.workload, spec.options, profile=load_profile(spec.sim.profile))
     if not requests:
         raise ValueError("the fidelity slice has no requests")
     t0 = time.perf_counter()
-    sim_result = run_sim(requests, spec)  # first, so it never competes with the live run
+    sim_records: list[RequestRecord] = []
+    live_records: list[RequestRecord] = []
+    sim_result = run_sim(requests, spec, sim_records)  # first: it never competes with live
     sim_wall = time.perf_counter() - t0
-    live = await run_live(requests, spec)
+    live = await run_live(requests, spec, live_records)
+    if records_prefix is not None:
+        write_records(Path(f"{records_prefix}.live.jsonl"), live_records)
+        write_records(Path(f"{records_prefix}.sim.jsonl"), sim_records)
     sim = sim_result["summary"]
     err = {
         f"ttft_{q}": relative_error(sim["ttft_ms"][q], live["ttft_ms"][q]) for q in ("p50", "p99")
@@ -158,6 +213,7 @@ async def run_fidelity(spec: FidelitySpec) -> dict:
         "sim": sim,
         "sim_stats": {**sim_result["sim"], "wall_s": round(sim_wall, 3)},
         "error": err,
+        "common": common_ttft(live_records, sim_records),
         "tolerance": spec.tolerance,
         "within_tolerance": ok,
     }

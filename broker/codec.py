@@ -128,19 +128,21 @@ _CLEARED = AllCleared()
 _INF = float("inf")
 
 
-def _block_slices(blob: bytes, offset: int, lengths: object, count: int) -> tuple[bytes, ...]:
-    """Cut ``count`` blocks of the given lengths out of ``blob`` from ``offset``."""
+def _block_slices(
+    blob: bytes, offset: int, lengths: object, count: int
+) -> tuple[tuple[bytes, ...], int]:
+    """Cut ``count`` blocks of the given lengths out of ``blob`` from ``offset``; returns the
+    blocks and the offset after them."""
     if not isinstance(lengths, list) or len(lengths) != count:
         raise CodecError("bs: one length per hash")
-    if set(map(type, lengths)) != {int} or min(lengths) <= 0:
-        raise CodecError(f"bs: block lengths must be positive ints, got {lengths!r}")
-    if offset + sum(lengths) > len(blob):
-        raise CodecError(f"bs: block lengths {lengths!r} do not fit the blob")
+    end = len(blob)
     out = []
     for n in lengths:
+        if type(n) is not int or n <= 0 or offset + n > end:
+            raise CodecError(f"bs: block length {n!r} does not fit the blob")
         out.append(blob[offset : offset + n])
         offset += n
-    return tuple(out)
+    return tuple(out), offset
 
 
 def decode_batch(fields: Mapping) -> list[Envelope]:
@@ -194,8 +196,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         hashes = u64_tuple(rec[3], "bs: hashes")
         if not hashes:
             raise CodecError("bs: at least one block")
-        blocks = _block_slices(blob, offset, rec[4], len(hashes))
-        offset += sum(rec[4])
+        blocks, offset = _block_slices(blob, offset, rec[4], len(hashes))
         return trusted_block_stored(parent, hashes, blocks), offset
     if kind == "br":
         _arity(rec, 3, "br")

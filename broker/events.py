@@ -291,12 +291,14 @@ class Envelope:
 
 
 def u64_tuple(value: object, what: str) -> tuple[int, ...]:
-    """A list of unsigned 64-bit ints as a tuple, checked in bulk (C-level loops only)."""
+    """A list of unsigned 64-bit ints as a tuple (a plain loop: CPython 3.11 runs it faster
+    than set/min/max over the list)."""
     if not isinstance(value, (list, tuple)):
         raise EventError(f"{what} must be a list of unsigned 64-bit ints")
     t = tuple(value)
-    if t and (set(map(type, t)) != {int} or min(t) < 0 or max(t) > U64_MAX):
-        raise EventError(f"{what} must be unsigned 64-bit ints")
+    for h in t:
+        if type(h) is not int or not 0 <= h <= U64_MAX:
+            raise EventError(f"{what} must be unsigned 64-bit ints, got {h!r}")
     return t
 
 

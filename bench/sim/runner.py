@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.metrics import summarize
+from bench.metrics import RequestRecord, summarize
 from bench.sim.policies import make_router
 from bench.sim.world import LinkConfig, World
 from bench.workloads import Request, WorkloadOptions, build_workload, describe, scale_rate
@@ -114,8 +114,12 @@ def run_one(
     *,
     rate_scale: float = 1.0,
     profile_path: Path | None = None,
+    records: list[RequestRecord] | None = None,
 ) -> dict:
-    """Simulate ``requests`` with one policy and one local scheduler; the run's result dict."""
+    """Simulate ``requests`` with one policy and one local scheduler; the run's result dict.
+
+    ``records``, when given, receives every request's record.
+    """
     world = build_world(policy, scheduler, cfg)
     profiler = cProfile.Profile() if profile_path is not None else None
     t0 = time.perf_counter()
@@ -131,6 +135,8 @@ def run_one(
     ids = [s.core.engine_id for s in world.slots]
     route_s = world.router.route_s if isinstance(world.router, _TimedRouter) else 0.0
     summary = summarize(world.records, engines=ids)
+    if records is not None:
+        records.extend(world.records)
     st = world.stats
     return {
         "policy": policy,
