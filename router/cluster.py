@@ -24,8 +24,9 @@ rebuilt only for engines whose state changed.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -104,6 +105,12 @@ class _Engine:
     hit_matched: int = 0
     hit_total: int = 0
     view: EngineView | None = None
+    seq: int = 0  # registration order: the order of the eligible sets (ties break on it)
+    load_key: tuple[float, int, str] | None = None  # its entry in Cluster._by_load
+
+    def load_ms(self) -> float:
+        """Preble's L_i: windowed prefill work + windowed output tokens x TPOT_i."""
+        return max(self.load_prefill_ms, 0.0) + max(self.load_out_tokens, 0) * self.tpot_ms
 
     def alive(self, now: float, ttl: float) -> bool:
         return bool(self.url) and (self.static or now - self.last_heartbeat <= ttl)
@@ -170,8 +177,15 @@ class Cluster:
         self._ttft_order: deque[tuple[float, int]] = deque()
         self._hits: deque[tuple[float, str, int, int]] = deque()  # (t, engine, matched, key len)
         self._next_sweep = 0.0
-        self._eligible: dict[str, tuple[dict[str, _Engine], float, int]] = {}
+        # model -> (eligible engines, valid until, membership version, their cost profiles)
+        self._eligible: dict[str, tuple[dict[str, _Engine], float, int, tuple]] = {}
         self._membership = 0  # bumped whenever the eligible sets may change
+        # every engine as (L_i, seq, id), kept sorted: explore and rebalancing read the few
+        # least (or most) loaded engines instead of scoring all; re-keyed lazily (_load_dirty)
+        self._by_load: list[tuple[float, int, str]] = []
+        self._load_dirty: dict[str, _Engine] = {}
+        # model -> (eligible set, exclude, the engine with the fewest routed, its count)
+        self._min_routed: dict[str, tuple[dict, frozenset[str], _Engine, int]] = {}
         self._overrides: dict[int, tuple[str, float]] = {}
         self._replicas: dict[int, tuple[frozenset[str], float]] = {}
         self.events: dict[str, int] = {}
@@ -187,7 +201,9 @@ class Cluster:
         if eng is None:
             eng = _Engine(engine_id, self._profile(self.config.default_profile))
             eng.tpot_ms = self.config.tpot_seed_ms
+            eng.seq = len(self.engines)
             self.engines[engine_id] = eng
+            self._load_dirty[engine_id] = eng
         return eng
 
     def _profile(self, name: str) -> CostProfile:
@@ -206,7 +222,7 @@ class Cluster:
         eng.models = tuple(models)
         eng.profile = self._profile(profile)
         eng.view = None
-        self._membership += 1
+        self._membership += 1  # (also: the eligible set's profiles are cached with it)
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         eng = self._engine(engine_id)
@@ -265,6 +281,7 @@ class Cluster:
         elif isinstance(ev, LoadHeartbeat):
             if eng.heartbeat is None or eng.heartbeat.profile != ev.profile:
                 eng.profile = self._profile(ev.profile)
+                self._membership += 1  # the eligible sets cache their profiles
             if now - eng.last_heartbeat > self.config.heartbeat_ttl_s:
                 self._membership += 1  # (re)joins the eligible sets
             eng.heartbeat = ev
@@ -307,6 +324,7 @@ class Cluster:
             eng.tpots.popleft()
         eng.tpot_ms = median(eng.tpots)
         eng.view = None
+        self._load_dirty[eng.engine_id] = eng
 
     def _record_ttft(self, group: int, ttft_ms: float, now: float) -> None:
         dq = self._ttfts.get(group)
@@ -358,6 +376,7 @@ class Cluster:
         self._load.append(entry)
         eng.load_prefill_ms += prefill
         eng.load_out_tokens += req.max_tokens
+        self._load_dirty[engine_id] = eng
         g = eng.groups.get(group)
         if g is None:
             g = eng.groups[group] = [0.0, 0, 0, deque()]
@@ -415,6 +434,8 @@ class Cluster:
                 src.load_out_tokens -= g[1]
                 dst.load_prefill_ms += g[0]
                 dst.load_out_tokens += g[1]
+                self._load_dirty[src.engine_id] = src
+                self._load_dirty[dst.engine_id] = dst
                 for entry in g[3]:
                     entry[1] = mv.dst
                 d = dst.groups.get(mv.group)
@@ -443,6 +464,7 @@ class Cluster:
                 continue
             eng.load_prefill_ms -= prefill
             eng.load_out_tokens -= out
+            self._load_dirty[engine_id] = eng
             g = eng.groups.get(group)
             if g is not None:
                 g[0] -= prefill
@@ -505,7 +527,7 @@ class Cluster:
                 url=eng.url,
                 profile=p,
                 inflight=eng.inflight,
-                load_ms=max(eng.load_prefill_ms, 0.0) + max(eng.load_out_tokens, 0) * eng.tpot_ms,
+                load_ms=eng.load_ms(),
                 tpot_ms=eng.tpot_ms,
                 hit_ratio=eng.hit_matched / eng.hit_total if eng.hit_total else 0.0,
                 free_bytes=max(capacity - max(held, used), 0),
@@ -514,6 +536,7 @@ class Cluster:
                 heartbeat=hb,
                 queued_prefill_ms=queued_prefill_ms(p, hb, max(eng.pending_prefill_tokens, 0)),
                 next_decode_step_ms=next_decode_step_ms(p, hb),
+                position=eng.seq,
             )
         return v
 
@@ -530,24 +553,49 @@ class Cluster:
 
     def eligible(self, model: str, now: float) -> dict[str, _Engine]:
         """Engines alive, serving ``model`` and not draining (cached, see :meth:`candidates`)."""
+        return self._eligible_entry(model, now)[0]
+
+    def eligible_profiles(self, model: str, now: float) -> tuple[CostProfile, ...]:
+        """The distinct cost profiles of :meth:`eligible` (cached with it)."""
+        return self._eligible_entry(model, now)[3]
+
+    def _eligible_entry(
+        self, model: str, now: float
+    ) -> tuple[dict[str, _Engine], float, int, tuple[CostProfile, ...]]:
         entry = self._eligible.get(model)
         if entry is None or now > entry[1] or entry[2] != self._membership:
             ttl = self.config.heartbeat_ttl_s
             out = {}
+            profiles: dict[str, CostProfile] = {}
             until = float("inf")
             for eng in self.engines.values():
                 if eng.url and not eng.draining and eng.alive(now, ttl) and eng.serves(model):
                     out[eng.engine_id] = eng
+                    profiles.setdefault(eng.profile.name, eng.profile)
                     if not eng.static:
                         until = min(until, eng.last_heartbeat + ttl)
-            entry = self._eligible[model] = (out, until, self._membership)
-        return entry[0]
+            entry = (out, until, self._membership, tuple(profiles.values()))
+            self._eligible[model] = entry
+        return entry
+
+    def _sync_loads(self) -> None:
+        """Re-key the engines whose L changed since the last decision in ``_by_load``."""
+        dirty = self._load_dirty
+        if not dirty:
+            return
+        by_load = self._by_load
+        for eng in dirty.values():
+            if eng.load_key is not None:  # (a plain list: bisect + memmove beat a tree here)
+                del by_load[bisect_left(by_load, eng.load_key)]
+            eng.load_key = (eng.load_ms(), eng.seq, eng.engine_id)
+            insort(by_load, eng.load_key)
+        dirty.clear()
 
 
 class View:
     """Read-only access for one decision (implements ``router.policies.base.ClusterView``)."""
 
-    __slots__ = ("_cluster", "_eligible", "_exclude", "engines", "matched", "rng")
+    __slots__ = ("_cluster", "_eligible", "_exclude", "_model", "_now", "engines", "matched", "rng")
 
     def __init__(
         self,
@@ -566,12 +614,56 @@ class View:
         self.rng = rng
         self._eligible = cluster.eligible(model, now)
         self._exclude = exclude
+        self._model = model
+        self._now = now
 
     def engine(self, engine_id: str) -> EngineView | None:
         eng = self._eligible.get(engine_id)
         if eng is None or engine_id in self._exclude:
             return None
         return eng.view or self._cluster.engine_view(eng)
+
+    def by_load(self, descending: bool = False) -> Iterator[EngineView]:
+        """Candidates by ``(load_ms, position)``, ascending or descending (``position`` is the
+        registration order, the order of :attr:`engines`). Lazy: reading the first few costs a
+        few steps, not a pass over every engine."""
+        cl = self._cluster
+        cl._sync_loads()
+        eligible = self._eligible
+        exclude = self._exclude
+        view = cl.engine_view
+        for _, _, engine_id in reversed(cl._by_load) if descending else cl._by_load:
+            eng = eligible.get(engine_id)
+            if eng is not None and engine_id not in exclude:
+                yield eng.view or view(eng)
+
+    def min_routed(self) -> int:
+        """The fewest requests ever routed to one candidate (E2's warm-up). Counts only grow,
+        so the minimum is cached per eligible set and recomputed only when its holder moved."""
+        cl = self._cluster
+        cached = cl._min_routed.get(self._model)
+        if (
+            cached is not None
+            and cached[0] is self._eligible
+            and cached[1] == self._exclude
+            and cached[2].routed_total == cached[3]
+        ):
+            return cached[3]
+        low: _Engine | None = None
+        exclude = self._exclude
+        for eng in self._eligible.values():
+            if eng.engine_id not in exclude and (
+                low is None or eng.routed_total < low.routed_total
+            ):
+                low = eng
+        if low is None:
+            return 0
+        cl._min_routed[self._model] = (self._eligible, exclude, low, low.routed_total)
+        return low.routed_total
+
+    def profiles(self) -> tuple[CostProfile, ...]:
+        """The distinct cost profiles among the candidates (or a superset)."""
+        return self._cluster.eligible_profiles(self._model, self._now)
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``

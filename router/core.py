@@ -68,12 +68,11 @@ class Router:
         self._count(decision)
         if decision.engine_id is None:
             return decision
-        before = view.engine(decision.engine_id)
         cl.record_route(req, decision.engine_id, match, matched, group, now)
         self.routed_key_bytes += len(req.key)
         self.routed_matched_bytes += decision.matched_bytes
-        if before is not None:  # the chosen engine's load changed: refresh its view in place
-            engines[engines.index(before)] = cl.engine_view(cl.engines[decision.engine_id])
+        # (``view.engines`` still holds the chosen engine's view from before: rebalancing reads
+        # loads through ``view.by_load``/``view.engine``, which rebuild changed views)
         moves = self.policy.rebalance(ctx, view, now)
         if moves:
             cl.apply_moves(moves, now)

@@ -617,21 +617,21 @@ class RadixTree:
         if last_off < len(last.label):  # keys end on node boundaries: split at the end
             self._split(last, last_off, now)
             path[-1] = last.parent  # type: ignore[assignment]
-        lru = self._lru.get(engine)
-        if lru is None:
-            lru = self._lru[engine] = OrderedDict()
-        for node in path:
-            if node.counts is None:
-                node.counts = {}
+        held = self.held_bytes
+        unheld = self._unheld
+        for node in path:  # (key coverage keeps no LRU order: nothing evicts by it)
+            counts = node.counts
+            if counts is None:
+                counts = node.counts = {}
                 node.full = set()
-            c = node.counts.get(engine, 0)
-            node.counts[engine] = c + 1
+            c = counts.get(engine, 0)
+            counts[engine] = c + 1
             if c == 0:
                 node.full.add(engine)  # type: ignore[union-attr]
-                self.held_bytes[engine] = self.held_bytes.get(engine, 0) + len(node.label)
-                self._unheld.pop(node, None)
+                held[engine] = held.get(engine, 0) + len(node.label)
+                if unheld:
+                    unheld.pop(node, None)
             node.last_access = now
-            lru[node] = None
 
     def drop_key(self, engine: str, key: bytes) -> None:
         """Release one :meth:`add_key` reference; nodes nobody references are deleted."""
@@ -655,9 +655,6 @@ class RadixTree:
             del counts[engine]
             node.full.discard(engine)  # type: ignore[union-attr]
             self.held_bytes[engine] -= len(node.label)
-            lru = self._lru.get(engine)
-            if lru is not None:
-                lru.pop(node, None)
             if not counts:
                 node.counts = None
                 node.full = None
@@ -730,7 +727,8 @@ class RadixTree:
                     lru.move_to_end(node)
 
     def lru_nodes(self, engine: str) -> Iterable[Node]:
-        """Nodes ``engine`` holds, least recently used first (its likely eviction order)."""
+        """Nodes ``engine`` holds by block coverage, least recently used first (its likely
+        eviction order; key coverage is not tracked)."""
         return iter(self._lru.get(engine, ()))
 
     def engines(self) -> list[str]:

@@ -10,9 +10,9 @@ one line in :mod:`router.policies.registry`.
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Literal, Protocol
 
 from broker.events import LoadHeartbeat
@@ -47,21 +47,24 @@ class EngineView:
     heartbeat: LoadHeartbeat | None = None
     queued_prefill_ms: float = 0.0  # prefill time of the reported queue + routed-not-queued
     next_decode_step_ms: float = 0.0  # EstTPOT with one more request in the virtual batch
+    position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
 
 
-def prefill_cost_ms(
-    ev: EngineView, key_len: int, matched: int, cache: dict[tuple[str, int], float]
-) -> float:
+PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
+
+
+def prefill_cost_ms(ev: EngineView, key_len: int, matched: int, cache: PrefillCache) -> float:
     """Preble's P_i: prefill time of the key's part not cached on ``ev`` (after the cached
-    part), on ``ev``'s profile; memoised per decision in ``cache`` (most engines share a value)."""
+    part), on ``ev``'s profile; memoised in ``cache`` (most engines share a value; a policy may
+    keep one across decisions, as keys of one size recur)."""
     return prefill_cost_ms_for(ev.profile, key_len, cache, matched)
 
 
 def prefill_cost_ms_for(
-    prof: CostProfile, key_len: int, cache: dict[tuple[str, int], float], matched: int = 0
+    prof: CostProfile, key_len: int, cache: PrefillCache, matched: int = 0
 ) -> float:
     """:func:`prefill_cost_ms` for a profile."""
-    ck = (prof.name, matched)
+    ck = (prof.name, key_len, matched)
     p = cache.get(ck)
     if p is None:
         cached = prof.cached_tokens_for_bytes(matched)
@@ -107,6 +110,19 @@ class ClusterView(Protocol):
 
     def engine(self, engine_id: str) -> EngineView | None:
         """The candidate ``engine_id`` (None when it is not one): cheap lookups by id."""
+        ...
+
+    def by_load(self, descending: bool = False) -> Iterator[EngineView]:
+        """The candidates by ``(load_ms, position)`` (ascending, or both descending), lazily:
+        policies read the first few instead of scoring all."""
+        ...
+
+    def min_routed(self) -> int:
+        """The fewest requests ever routed to one candidate (0 with none)."""
+        ...
+
+    def profiles(self) -> Sequence[CostProfile]:
+        """Every distinct cost profile among the candidates (a superset is fine)."""
         ...
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
@@ -172,6 +188,15 @@ def pick_min(
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
 
 
+_VALUE = itemgetter(1)
+
+
+def top_matched(matched: Mapping[str, int], k: int) -> list[tuple[str, int]]:
+    """The ``k`` engines holding the most of the key, as ``heapq.nlargest`` orders them (that
+    is ``sorted(reverse=True)[:k]``; a C sort beats nlargest's Python loop at these sizes)."""
+    return sorted(matched.items(), key=_VALUE, reverse=True)[:k]
+
+
 def by_load(ev: EngineView) -> tuple[float, int]:
     """Least windowed work first, then fewest requests in flight."""
     return (ev.load_ms, ev.inflight)
@@ -197,7 +222,7 @@ def decide(
         matched = view.matched
         items = matched.items()
         if len(matched) > MAX_LISTED:
-            items = heapq.nlargest(MAX_LISTED, items, key=lambda kv: kv[1])
+            items = top_matched(matched, MAX_LISTED)
         candidates = [Candidate(e, m) for e, m in items if m > 0]
         if not any(c.engine_id == chosen.engine_id for c in candidates):
             candidates.append(Candidate(chosen.engine_id, matched.get(chosen.engine_id, 0)))

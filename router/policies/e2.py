@@ -29,10 +29,11 @@ Every mechanism can be switched off for ablation (``rebalance``, ``pd_balance``,
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from operator import attrgetter
+from heapq import heappop, heappush
+from operator import itemgetter
 
 from router.api import Candidate, Decision, Reason
 from router.policies.base import (
@@ -40,11 +41,14 @@ from router.policies.base import (
     EngineView,
     Move,
     PolicyBase,
+    PrefillCache,
     RequestContext,
     by_load,
     decide,
     pick_min,
     prefill_cost_ms,
+    prefill_cost_ms_for,
+    top_matched,
 )
 from router.policies.feasibility import check, retry_after, shed
 
@@ -67,8 +71,10 @@ class E2Config:
 
 
 TIE_LIMIT = 8  # equally cheap engines considered for the tie-break
-_LOAD = attrgetter("load_ms")
-_ROUTED = attrgetter("routed_total")
+FLOOR_TERMS = 16  # most (profile, matched length) pairs priced for P's lower bound
+P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
+EXPLICIT_CLASS = 4  # a matched length held by at most this many engines: score them up front
+_COST_POS = itemgetter(0, 1, 2)
 
 
 class E2(PolicyBase):
@@ -76,13 +82,17 @@ class E2(PolicyBase):
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.config = config or E2Config()
+        # P by (profile, key bytes, matched bytes), across decisions (a pure function's memo)
+        self._p_cache: PrefillCache = {}
 
     def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision:
         cfg = self.config
         engines = view.engines
         matched = view.matched
         rng = view.rng
-        p_cache: dict[tuple[str, int], float] = {}
+        p_cache = self._p_cache
+        if len(p_cache) > P_CACHE_MAX:
+            p_cache.clear()
         worst = [float("inf")]  # smallest SLO excess seen (for the shed's retry-after)
 
         def ok(ev: EngineView) -> bool:
@@ -134,56 +144,52 @@ class E2(PolicyBase):
         view: ClusterView,
         now: float,
         ok: Callable[[EngineView], bool],
-        p_cache: dict[tuple[str, int], float],
+        p_cache: PrefillCache,
     ) -> Decision | None:
-        """Cheapest feasible engine by L + M + P. ``L + P`` for everyone (P computed once for
-        the engines holding part of the key and once per profile for the rest), then walk them
-        cheapest first computing feasibility and M (>= 0) only while it can still change the
-        answer: branch and bound."""
+        """Cheapest feasible engine by L + M + P, by branch and bound: engines come cheapest
+        ``L + P`` first (lazily, see :class:`_CostOrder`: only the few that could win are
+        scored), and feasibility and M (>= 0) are computed only while they can still change
+        the answer."""
         cfg = self.config
         matched = view.matched
         key_len = ctx.key_len
-        engines = view.engines
         get = matched.get
         if cfg.prefill_term:
-            # P depends on (profile, matched bytes) only: memoise per matched value and profile
-            by_m: dict[tuple[str, int], float] = {}
 
             def p_of(ev: EngineView) -> float:
-                k = (ev.profile.name, get(ev.engine_id, 0))
-                p = by_m.get(k)
-                if p is None:
-                    p = by_m[k] = prefill_cost_ms(ev, key_len, k[1], p_cache)
-                return p
+                m = get(ev.engine_id, 0)
+                p = p_cache.get((ev.profile.name, key_len, m))  # prefill_cost_ms's, inline
+                return p if p is not None else prefill_cost_ms(ev, key_len, m, p_cache)
 
-            lps = [ev.load_ms + p_of(ev) for ev in engines]
         else:
 
             def p_of(ev: EngineView) -> float:
                 return 0.0
 
-            lps = [ev.load_ms for ev in engines]
-        pools: list[tuple[Reason, list[int]]] = []
+        order = _CostOrder(view, key_len, p_of, p_cache if cfg.prefill_term else None)
+        pools: list[tuple[Reason, Iterable[tuple[float, int, EngineView]]]] = []
         if cfg.pd_balance:
             thr = cfg.pd_hit_ratio
-            decode_heavy = [i for i, ev in enumerate(engines) if ev.hit_ratio >= thr]
-            if decode_heavy:
-                pools.append(("pd_balance", sorted(decode_heavy, key=lps.__getitem__)))
-        order = sorted(range(len(engines)), key=lps.__getitem__)
+            decode_heavy = [
+                (ev.load_ms + p_of(ev), ev.load_ms, i, ev)
+                for i, ev in enumerate(view.engines)
+                if ev.hit_ratio >= thr
+            ]
+            if decode_heavy:  # (L + P, L, position) order, as the explore order
+                decode_heavy.sort(key=_COST_POS)
+                pools.append(("pd_balance", [(lp, i, ev) for lp, _, i, ev in decode_heavy]))
         pools.append(("explore", order))
         for reason, pool in pools:
             best = float("inf")
             evaluated: list[tuple[float, EngineView, float]] = []  # (total, view, M)
-            for i in pool:
-                lp = lps[i]
+            for lp, _, ev in pool:
                 if lp > best or (lp == best and len(evaluated) >= TIE_LIMIT):
                     break
-                ev = engines[i]
                 if not ok(ev):
                     continue
                 mcost = 0.0
                 if cfg.eviction_term:
-                    need = key_len - matched.get(ev.engine_id, 0) - ev.free_bytes
+                    need = key_len - get(ev.engine_id, 0) - ev.free_bytes
                     if need > 0:
                         mcost = view.eviction_ms(ev.engine_id, need, now)
                 evaluated.append((lp + mcost, ev, mcost))
@@ -198,10 +204,8 @@ class E2(PolicyBase):
             chosen = (pick or finalists[0])[1]
             # explain: the chosen, the next cheapest, and the engines holding the most of the key
             m_of = {t[1].engine_id: t[2] for t in evaluated}
-            listed = [chosen, *(engines[i] for i in order[: cfg.max_candidates])]
-            for engine_id, _ in heapq.nlargest(
-                cfg.max_candidates, matched.items(), key=lambda kv: kv[1]
-            ):
+            listed = [chosen, *(t[2] for t in order.first(cfg.max_candidates))]
+            for engine_id, _ in top_matched(matched, cfg.max_candidates):
                 if (ev := view.engine(engine_id)) is not None:
                     listed.append(ev)
             cands: dict[str, Candidate] = {}
@@ -219,13 +223,20 @@ class E2(PolicyBase):
 
     def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:
         cfg = self.config
-        engines = view.engines
-        if not cfg.rebalance or len(engines) < 2:
+        if not cfg.rebalance or len(view.engines) < 2:
             return ()
-        if min(map(_ROUTED, engines)) < cfg.warmup_requests:
+        if view.min_routed() < cfg.warmup_requests:
             return ()
-        busiest = max(engines, key=_LOAD)
-        least = min(engines, key=_LOAD)
+        # the least and the most loaded (equal loads: the first in engine order, as min/max)
+        least = next(view.by_load())
+        busiest = next(view.by_load(descending=True))
+        if busiest.load_ms == least.load_ms:  # all equal: max() would take the first
+            busiest = least
+        else:  # equal loads come last-position first here; max() takes the first position
+            for ev in view.by_load(descending=True):
+                if ev.load_ms != busiest.load_ms:
+                    break
+                busiest = ev
         hi, lo = busiest.load_ms, least.load_ms
         if hi <= 0.0 or hi < cfg.rebalance_ratio * lo:
             return ()
@@ -248,3 +259,142 @@ class E2(PolicyBase):
             hi -= g.load_ms
             lo += g.load_ms
         return tuple(moves)
+
+
+class _CostOrder:
+    """The candidates as ``(L + P, position, view)`` in ascending ``(L + P, L, position)``
+    order (equal costs: the lower load first, as the final tie-break prefers), lazily.
+
+    P depends only on an engine's class (its profile and matched length). The engines of the
+    rare classes (matched lengths held by at most ``EXPLICIT_CLASS`` engines) are scored up
+    front; the rest come from ``view.by_load()`` (ascending L), so within a class ``L + P``
+    grows too. All go into a heap keyed by the exact ``(L + P, position)``, whose top is final
+    once no unread engine can beat it: the unread engines of a class already in the heap cost
+    at least that member, the others at least ``next L + the least P of the classes not in
+    the heap``. So reading the k cheapest scores about one engine per class plus the k, not
+    every engine; the order equals sorting every candidate by ``(L + P, L, position)``. Items
+    read are kept (the order can be re-read)."""
+
+    __slots__ = (
+        "_explicit",
+        "_floor",
+        "_heap",
+        "_in_heap",
+        "_matched",
+        "_next",
+        "_open",
+        "_p_of",
+        "_price",
+        "_pushed",
+        "_source",
+        "seen",
+    )
+
+    def __init__(
+        self,
+        view: ClusterView,
+        key_len: int,
+        p_of: Callable[[EngineView], float],
+        cache: PrefillCache | None,
+    ) -> None:
+        self._p_of = p_of
+        matched = view.matched
+        self._matched = matched.get
+        self._price: PrefillCache = {}  # class -> P
+        self._open: PrefillCache = {}  # streamed classes not in the heap -> P
+        self._in_heap: dict[tuple[str, int], int] = {}
+        self._explicit: set[int] = set()  # matched lengths whose engines are scored up front
+        self._floor = 0.0  # least P an unread engine may have
+        self._heap: list[tuple[float, float, int, int, EngineView, tuple[str, int] | None]] = []
+        self._pushed = 0  # a unique third key, so the heap never compares views
+        self.seen: list[tuple[float, int, EngineView]] = []
+        if cache is not None:  # with the prefill term: price every class there may be
+            holders = Counter(matched.values())
+            rare = {m for m, n in holders.items() if n <= EXPLICIT_CLASS and m > 0}
+            lengths = holders.keys() - rare
+            lengths.add(0)
+            profiles = view.profiles()
+            if len(lengths) * len(profiles) <= FLOOR_TERMS:
+                self._price = {
+                    (prof.name, m): prefill_cost_ms_for(prof, key_len, cache, m)
+                    for prof in profiles
+                    for m in lengths
+                }
+                self._open = dict(self._price)
+                self._floor = min(self._open.values())
+                self._explicit = rare
+                if rare:
+                    for engine_id, m in matched.items():
+                        if m in rare and (ev := view.engine(engine_id)) is not None:
+                            self._push(ev, None)
+            # else: too many classes to price cheaply; 0 is a bound too, only a looser one
+        self._source = view.by_load()
+        self._next = next(self._source, None)
+
+    def _push(self, ev: EngineView, cls: tuple[str, int] | None) -> None:
+        p = self._price.get(cls) if cls is not None else None
+        if p is None:
+            p = self._p_of(ev)
+        self._pushed += 1
+        heappush(self._heap, (ev.load_ms + p, ev.load_ms, ev.position, self._pushed, ev, cls))
+
+    def _pull(self) -> tuple[float, int, EngineView] | None:
+        heap = self._heap
+        nxt = self._next
+        matched = self._matched
+        in_heap = self._in_heap
+        explicit = self._explicit
+        while nxt is not None and (not heap or nxt.load_ms + self._floor <= heap[0][0]):
+            ev = nxt
+            nxt = next(self._source, None)
+            if not self._price:
+                self._push(ev, None)
+                continue
+            m = matched(ev.engine_id, 0)
+            if m in explicit:
+                continue  # in the heap from the start
+            cls = (ev.profile.name, m)
+            if cls not in self._price:  # a profile view.profiles() missed: from now on, 0
+                self._price = {}
+                self._floor = 0.0
+                self._push(ev, None)
+                continue
+            n = in_heap.get(cls, 0)
+            in_heap[cls] = n + 1
+            if n == 0:
+                open_ = self._open
+                del open_[cls]
+                self._floor = min(open_.values()) if open_ else float("inf")
+            self._push(ev, cls)
+        self._next = nxt
+        if not heap:
+            return None
+        lp, _, pos, _, ev, cls = heappop(heap)
+        if cls is not None and self._price:
+            n = in_heap[cls] - 1
+            in_heap[cls] = n
+            if n == 0:  # its next member may be anywhere in the unread part again
+                p = self._open[cls] = self._price[cls]
+                if p < self._floor:
+                    self._floor = p
+        item = (lp, pos, ev)
+        self.seen.append(item)
+        return item
+
+    def __iter__(self) -> Iterator[tuple[float, int, EngineView]]:
+        seen = self.seen
+        i = 0
+        while True:
+            if i < len(seen):
+                yield seen[i]
+            elif (item := self._pull()) is not None:
+                yield item
+            else:
+                return
+            i += 1
+
+    def first(self, k: int) -> list[tuple[float, int, EngineView]]:
+        """The ``k`` cheapest (fewer when there are fewer candidates)."""
+        while len(self.seen) < k and self._pull() is not None:
+            pass
+        return self.seen[:k]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
 from router.api import Decision
-from router.policies.base import EngineView, RequestContext, prefill_cost_ms
+from router.policies.base import EngineView, PrefillCache, RequestContext, prefill_cost_ms
 
 TPOT_SAFETY = 1.3  # SCORPIO's margin on the decode-time estimate
 TPOT_HEADROOM = 0.99
@@ -47,7 +47,7 @@ def check(
     ev: EngineView,
     ctx: RequestContext,
     matched: int,
-    cache: dict[tuple[str, int], float],
+    cache: PrefillCache,
 ) -> float:
     """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss."""
     slo = ctx.request.slo
@@ -63,7 +63,7 @@ def feasible_engines(
     ctx: RequestContext,
     engines: Iterable[EngineView],
     matched: Mapping[str, int],
-    cache: dict[tuple[str, int], float] | None = None,
+    cache: PrefillCache | None = None,
 ) -> tuple[list[EngineView], float]:
     """Engines that can meet the request's SLO, and (when none can) the retry-after seconds."""
     cache = {} if cache is None else cache

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib
 import random
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.events import LoadHeartbeat
-from kvgate.cost_model import default_profile
+from kvgate.cost_model import CostProfile, default_profile
 from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.policies.base import EngineView, GroupLoad, RequestContext
@@ -62,6 +65,19 @@ class FakeView:
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
+
+    def __post_init__(self) -> None:  # positions: the order of ``engines``, as the cluster's
+        self.engines = [replace(e, position=i) for i, e in enumerate(self.engines)]
+
+    def by_load(self, descending: bool = False) -> Iterator[EngineView]:
+        ranked = sorted(self.engines, key=lambda e: (e.load_ms, e.position), reverse=descending)
+        return iter(ranked)
+
+    def min_routed(self) -> int:
+        return min((e.routed_total for e in self.engines), default=0)
+
+    def profiles(self) -> list[CostProfile]:
+        return list({ev.profile.name: ev.profile for ev in self.engines}.values())
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
         return self.evictions.get(engine_id, 0.0)
@@ -320,3 +336,47 @@ def test_session_affinity_is_stable_and_moves_few_sessions_on_engine_add() -> No
     assert 0.05 < len(moved) / 2000 < 0.2  # about 1/9
     d = sa.choose(ctx(), FakeView([ev("a", inflight=2), ev("b")]), 0.0)
     assert (d.engine_id, d.reason) == ("b", "least_load")
+
+
+# ---------------------------------------------------------------------- e2's lazy cost order
+
+SLOW = replace(PROFILE, name="slow-test-profile", efficiency=PROFILE.efficiency / 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(  # loads: ties on purpose, and anything
+                st.sampled_from([0.0, 10.0, 10.0, 55.5, 300.0, 1e4]), st.floats(0.0, 3000.0)
+            ),
+            st.sampled_from([0, 0, 4096, 4096, 4096, 16_000, 39_000]),  # matched (some rare)
+            st.booleans(),  # slow profile
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    st.booleans(),
+)
+def test_e2_cost_order_equals_sorting_every_engine(spec: list, prefill_term: bool) -> None:
+    """E2's lazy explore order is exactly every candidate sorted by (L + P, L, position)."""
+    from router.policies.base import prefill_cost_ms
+    from router.policies.e2 import _CostOrder
+
+    engines = [replace(ev(f"e{i}", load=load), profile=SLOW if slow else PROFILE)
+               for i, (load, _, slow) in enumerate(spec)]  # fmt: skip
+    matched = {f"e{i}": m for i, (_, m, _) in enumerate(spec) if m}
+    view = FakeView(engines, matched=matched)
+    cache: dict = {}
+
+    def p_of(e: EngineView) -> float:
+        return (
+            prefill_cost_ms(e, KEY_LEN, matched.get(e.engine_id, 0), cache) if prefill_term else 0.0
+        )
+
+    brute = sorted((e.load_ms + p_of(e), e.load_ms, e.position, e.engine_id) for e in view.engines)
+    brute = [(lp, pos, e) for lp, _, pos, e in brute]
+    order = _CostOrder(view, KEY_LEN, p_of, cache if prefill_term else None)
+    assert [(lp, pos, e.engine_id) for lp, pos, e in order] == brute
+    again = _CostOrder(view, KEY_LEN, p_of, cache if prefill_term else None)
+    assert [(lp, pos, e.engine_id) for lp, pos, e in again.first(3)] == brute[:3]
