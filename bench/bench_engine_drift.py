@@ -51,20 +51,38 @@ async def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 20.
 
 
 async def _one(s: aiohttp.ClientSession, url: str, body: dict, stats: dict) -> None:
+    """One streamed completion, read to the end; counts its SSE data events. Reads whole
+    buffers and counts event starts in bytes (not line by line): the load generator shares the
+    2 cores with the engine, and its own CPU time would otherwise show up as engine drift."""
+    marker = b"\n\ndata: {"
     try:
         async with s.post(url + "/v1/completions", json=body) as r:
             if r.status != 200:
                 stats["errors"] += 1
                 return
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    stats["chunks"] += 1
+            tail = b"\n\n"  # the stream starts like an event boundary
+            while chunk := await r.content.readany():
+                data = tail + chunk
+                stats["chunks"] += data.count(marker)
+                tail = data[-(len(marker) - 1) :]
         stats["ok"] += 1
     except aiohttp.ClientError:
         stats["errors"] += 1
 
 
-async def run_level(rate: float, duration: float, seed: int, policy: str) -> dict:
+def _engine_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(engine CPUs, load generator CPUs) when pinning: the first CPU for the engine, the rest
+    for the load generator, so that the load generator's own work (woken by every token write)
+    does not preempt the engine it measures. None: no pinning (or fewer than 2 CPUs)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(cpus) < 2:
+        return None, None
+    return {cpus[0]}, set(cpus[1:])
+
+
+async def run_level(
+    rate: float, duration: float, seed: int, policy: str, pin: bool = False
+) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -81,7 +99,14 @@ async def run_level(rate: float, duration: float, seed: int, policy: str) -> dic
         "--log-level",
         "warning",
     ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    engine_cpus, client_cpus = _engine_cpus(pin)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=(lambda: os.sched_setaffinity(0, engine_cpus)) if engine_cpus else None,
+    )
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
     try:
         await _wait_healthy(url, proc)
         rng = random.Random(seed)
@@ -116,6 +141,7 @@ async def run_level(rate: float, duration: float, seed: int, policy: str) -> dic
             "errors": stats["errors"],
             "tokens_per_s": stats["chunks"] / elapsed,
             "drift": info["delivery_drift"],
+            "pinned": engine_cpus is not None,
         }
     finally:
         proc.terminate()
@@ -125,17 +151,32 @@ async def run_level(rate: float, duration: float, seed: int, policy: str) -> dic
             proc.kill()
 
 
+def _run(coro):  # uvloop when installed: a cheaper load generator, as for the engine itself
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="5,10,20", help="requests/s, one engine each")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate")
     ap.add_argument("--policy", default="slo")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="engine on the first CPU, load generator on the others (see _engine_cpus)",
+    )
     ap.add_argument("--out", default=str(RESULT))
     args = ap.parse_args(argv)
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     levels = []
     for rate in (float(x) for x in args.rates.split(",")):
-        res = asyncio.run(run_level(rate, args.duration, args.seed, args.policy))
+        res = _run(run_level(rate, args.duration, args.seed, args.policy, args.pin))
         d = res["drift"]
         print(
             f"rate {rate:5.1f}/s: {res['ok']}/{res['requests']} ok, "
@@ -144,7 +185,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         levels.append(res)
-    out = {"benchmark": "engine_drift", "policy": args.policy, "levels": levels}
+    out = {
+        "benchmark": "engine_drift",
+        "policy": args.policy,
+        "pinned": args.pin,
+        "load_average_at_start": load_at_start,
+        "levels": levels,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
     print(f"saved {args.out}")

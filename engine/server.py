@@ -2,13 +2,18 @@
 
 The core is pure; this shell owns the clock and the sockets:
 
-* the clock is the event loop's (``loop.time()``, monotonic seconds); the core is advanced
-  synchronously on the loop thread by a timer set for ``core.next_event_time()``, and right
-  after every submit or cancel (no extra task, no lock: one thread touches the core);
-* each request has a queue of :class:`~engine.core.Output` s; its handler turns them into SSE
-  chunks (or one JSON body) as soon as the timer delivers them, i.e. at the time the core says
-  the tokens were produced. ``kvgate_engine_delivery_drift_seconds`` measures how late each
-  token reaches its response stream compared with the core's timeline;
+* the clock is ``time.monotonic()`` (not ``loop.time()``: uvloop's is cached per loop turn and
+  has millisecond resolution); the core is advanced synchronously on the loop thread by a timer
+  set for ``core.next_event_time()``, and right after every submit or cancel (no extra task, no
+  lock: one thread touches the core). A timer that fires early (libuv timers have millisecond
+  granularity) re-arms itself for the rest;
+* once a streamed response has sent its first bytes, the timer callback itself writes each later
+  batch of tokens to the socket (one write per stream per step, from precomputed chunk
+  templates): no handler task wakes per token, so the last of many streams released by one step
+  is not late by every other stream's handler. The first tokens, the end of a stream and unary
+  answers go through the request's queue and handler. ``kvgate_engine_delivery_drift_seconds``
+  measures, per token, the time from the core's production time to the moment its bytes were
+  handed to the socket;
 * responses are not started until the first token (or a rejection) exists, so a request the
   scheduler refuses while queued still gets a proper 429 JSON error;
 * a client that goes away cancels its request in the core (freeing its KV and its batch slot);
@@ -24,11 +29,11 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -36,6 +41,7 @@ from engine.core import EngineCore, EngineRequest, Output, Usage
 from engine.scheduler.state import SchedulerConfig
 from engine.text import tokens_text
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
+from kvgate.fast_metrics import FastCollector, FastHistogram
 from kvgate.logs import request_id_var
 from kvgate.openai_request import ChatTemplate, ParsedRequest, RequestError, parse_request
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES, Slo
@@ -46,6 +52,9 @@ log = logging.getLogger("kvgate.engine")
 REQUEST_ID_HEADER = "x-request-id"
 _DISCONNECT_POLL_S = 0.5
 _DRIFT_WINDOW = 20_000
+# A timer due in less than this is waited for on the next loop turn rather than by a libuv
+# timer, which has millisecond granularity and would fire up to ~1 ms late.
+_SPIN_S = 0.0003
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +103,15 @@ class EngineServer:
         self.started_at = time.time()
         self._streams: dict[str, asyncio.Queue[Output | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
         self._timer_at: float | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self._sweeper_task: asyncio.Task | None = None
         self._clients: dict[str, web.Request] = {}
+        self._live: dict[str, _LiveStream] = {}  # streams the timer writes to directly
         self.drift_ms: deque[float] = deque(maxlen=_DRIFT_WINDOW)
         self.metrics = _Metrics(self)
+        self._drift_hist = self.metrics.drift.labels()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -129,8 +140,8 @@ class EngineServer:
             await self.reporter.close()
 
     def now(self) -> float:
-        assert self._loop is not None, "the engine is not started"
-        return self._loop.time()
+        """The engine's clock: monotonic, sub-microsecond, read fresh (see the module doc)."""
+        return time.monotonic()
 
     # ------------------------------------------------------------------ driving the core
 
@@ -153,6 +164,7 @@ class EngineServer:
     def cancel(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._clients.pop(request_id, None)
+        self._live.pop(request_id, None)
         if request_id in self.core:
             self.core.cancel(request_id, self.now())
             self.metrics.requests.labels("cancelled").inc()
@@ -172,7 +184,11 @@ class EngineServer:
             return
         self._timer_at = nxt
         assert self._loop is not None
-        self._timer = self._loop.call_at(max(nxt, now), self._on_timer)
+        delay = nxt - self.now()
+        if delay < _SPIN_S:
+            self._timer = self._loop.call_soon(self._on_timer)  # type: ignore[assignment]
+        else:
+            self._timer = self._loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         try:
@@ -181,14 +197,28 @@ class EngineServer:
             log.exception("engine step failed")
 
     def _dispatch(self, outputs: list[Output]) -> None:
+        live = self._live
+        written: list[_LiveStream] = []
         for out in outputs:
             if out.usage is not None:
                 self.metrics.observe_finish(out.usage)
             elif out.rejected is not None:
                 self.metrics.requests.labels("rejected").inc()
+            stream = live.get(out.request_id)
+            if stream is not None and out.rejected is None:
+                if not stream.pending:
+                    written.append(stream)
+                stream.add(out)
+                if out.usage is None:
+                    continue  # the handler only needs to hear about the end
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        for stream in written:  # one write per stream, the drift taken right after it
+            if not stream.flush(self):
+                queue = self._streams.get(stream.rid)
+                if queue is not None:
+                    queue.put_nowait(None)  # the client is gone: wake its handler now
 
     def _publish(self) -> None:
         events = self.core.drain_events()
@@ -196,6 +226,11 @@ class EngineServer:
             for ev in events:
                 self.reporter.emit(ev)
         self.metrics.count_events(events)
+
+    def go_live(self, stream: _LiveStream) -> None:
+        """From now on the timer writes ``stream``'s tokens (it has sent its first bytes)."""
+        if stream.rid in self._streams:
+            self._live[stream.rid] = stream
 
     async def _sweep_disconnected(self) -> None:
         """Wake the handlers of clients that went away (one task for all, not a timer per
@@ -216,10 +251,12 @@ class EngineServer:
                 self.reporter.emit(self.core.heartbeat(self.url, self.config.models))
             await asyncio.sleep(self.config.heartbeat_s)
 
-    def record_drift(self, produced_at: float, delivered_at: float) -> None:
-        drift = max(delivered_at - produced_at, 0.0)
-        self.drift_ms.append(drift * 1000.0)
-        self.metrics.drift.observe(drift)
+    def record_drift(self, produced_at: Iterable[float], delivered_at: float) -> None:
+        """The delivery delay of tokens produced at ``produced_at``: ``delivered_at`` is when
+        their bytes were handed to the socket."""
+        drifts = [max(delivered_at - t, 0.0) for t in produced_at]
+        self.drift_ms.extend(d * 1000.0 for d in drifts)
+        self._drift_hist.observe_many(drifts)
 
     def drift_summary(self) -> dict[str, float | int]:
         values = list(self.drift_ms)
@@ -285,12 +322,12 @@ class _Metrics:
             buckets=(0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1),
             registry=r,
         )
-        self.drift = Histogram(
+        self.drift = FastHistogram(  # observed per token, on the delivery path: lock-free
             "kvgate_engine_delivery_drift_seconds",
-            "How late a token reached its response stream versus the scheduler's timeline",
+            "How late a token's bytes reached the socket versus the scheduler's timeline",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
-            registry=r,
         )
+        r.register(FastCollector((self.drift,)))
 
     def observe_finish(self, usage: Usage) -> None:
         self.requests.labels("finished").inc()
@@ -400,11 +437,6 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         request_id_var.reset(token)
 
 
-async def _next_output(request: web.Request, queue: asyncio.Queue[Output | None]) -> Output | None:
-    """The next output, or None once the client has gone away (the sweeper says so)."""
-    return await queue.get()
-
-
 def _rejection(server: EngineServer, reason: str) -> web.Response:
     return _error(
         RequestError(
@@ -425,7 +457,7 @@ async def _unary(
 ) -> web.Response:
     parts: list[str] = []
     while True:
-        out = await _next_output(request, queue)
+        out = await queue.get()  # None once the client has gone away (the sweeper says so)
         if out is None:
             raise web.HTTPRequestTimeout()  # never sent: the client is gone
         if out.rejected is not None:
@@ -433,8 +465,11 @@ async def _unary(
         if out.times:
             parts.append(tokens_text(rid, out.index, len(out.times)))
         if out.usage is not None:
-            server.record_drift(out.times[-1] if out.times else server.now(), server.now())
-            return _json(_full_body(parsed, rid, "".join(parts), out.usage))
+            resp = _json(_full_body(parsed, rid, "".join(parts), out.usage))
+            await resp.prepare(request)
+            await resp.write_eof()  # the whole answer is on the socket now
+            server.record_drift(out.times[-1:], server.now())
+            return resp
 
 
 def _full_body(parsed: ParsedRequest, rid: str, text: str, usage: Usage) -> dict:
@@ -466,7 +501,9 @@ def _full_body(parsed: ParsedRequest, rid: str, text: str, usage: Usage) -> dict
 
 
 class _Chunker:
-    """Builds the SSE chunks of one streamed response."""
+    """Builds the SSE chunks of one streamed response. A token chunk is the same JSON every
+    time but for its text and finish reason, so its bytes are two precomputed pieces around the
+    text (byte for byte what ``orjson.dumps`` of the whole chunk gives; a test checks)."""
 
     def __init__(self, parsed: ParsedRequest, rid: str) -> None:
         self.parsed = parsed
@@ -474,6 +511,14 @@ class _Chunker:
         self.created = int(time.time())
         self.chat = parsed.endpoint == "chat"
         self.started = False
+        marker = "\x00text\x00"
+        field = "delta" if self.chat else "text"
+        value: object = {"content": marker} if self.chat else marker
+        template = self._chunk({"index": 0, field: value, "logprobs": None, "finish_reason": None})
+        head, _, tail = template.partition(orjson.dumps(marker))
+        self._head = head
+        self._tail = tail
+        self._tail_length = tail.replace(b'"finish_reason":null', b'"finish_reason":"length"', 1)
 
     def _chunk(self, choice: dict | None, usage: dict | None = None) -> bytes:
         data: dict = {
@@ -488,15 +533,10 @@ class _Chunker:
         return b"data: " + orjson.dumps(data) + b"\n\n"
 
     def text(self, text: str, finish: bool) -> bytes:
-        reason = "length" if finish else None
-        if not self.chat:
-            return self._chunk(
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            )
         out = b""
-        if not self.started:
+        if self.chat and not self.started:
             self.started = True
-            out += self._chunk(
+            out = self._chunk(
                 {
                     "index": 0,
                     "delta": {"role": "assistant", "content": ""},
@@ -504,13 +544,69 @@ class _Chunker:
                     "finish_reason": None,
                 }
             )
-        delta = {"content": text} if text else {}
-        return out + self._chunk(
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        )
+        if self.chat and not text:  # an empty delta is {} rather than {"content": ""}
+            reason = "length" if finish else None
+            return out + self._chunk(
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
+            )
+        tail = self._tail_length if finish else self._tail
+        return out + self._head + orjson.dumps(text) + tail
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk(None, _usage_json(usage))
+
+    def payload(self, outputs: list[Output]) -> tuple[bytes, Usage | None]:
+        """The bytes of ``outputs`` (one request's, in order) and the usage if it finished."""
+        parts: list[bytes] = []
+        finished: Usage | None = None
+        for item in outputs:
+            if item.times:
+                text = tokens_text(self.rid, item.index, len(item.times))
+                parts.append(self.text(text, item.usage is not None))
+            if item.usage is not None:
+                finished = item.usage
+        if finished is not None:
+            if self.parsed.include_usage:
+                parts.append(self.usage(finished))
+            parts.append(b"data: [DONE]\n\n")
+        return b"".join(parts), finished
+
+
+class _SseResponse(web.StreamResponse):
+    """Headers wait for the first body write (as in aiohttp's ``Response``): one packet, one
+    client wake-up for the first token instead of two."""
+
+    _send_headers_immediately = False
+
+
+class _LiveStream:
+    """A streamed response whose later chunks the engine's timer writes itself (see the module
+    docstring): the HTTP/1.1 chunked framing aiohttp would add, straight onto the transport."""
+
+    __slots__ = ("chunker", "pending", "pending_times", "rid", "transport")
+
+    def __init__(self, rid: str, chunker: _Chunker, transport: asyncio.Transport) -> None:
+        self.rid = rid
+        self.chunker = chunker
+        self.transport = transport
+        self.pending: list[Output] = []
+        self.pending_times: list[float] = []
+
+    def add(self, out: Output) -> None:
+        self.pending.append(out)
+        self.pending_times.extend(out.times)
+
+    def flush(self, server: EngineServer) -> bool:
+        """Write what is pending as one chunk; False when the client has gone away."""
+        outputs, times = self.pending, self.pending_times
+        self.pending, self.pending_times = [], []
+        transport = self.transport
+        if transport.is_closing():
+            return False
+        data, _ = self.chunker.payload(outputs)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        server.record_drift(times, server.now())
+        return True
 
 
 async def _stream(
@@ -520,53 +616,53 @@ async def _stream(
     rid: str,
     queue: asyncio.Queue[Output | None],
 ) -> web.StreamResponse:
+    """Wait for the first output; answer it (a 429, or the response's first bytes), then hand
+    the stream to the timer when the connection allows (HTTP/1.1 chunked) and wait for its end."""
     chunker = _Chunker(parsed, rid)
     resp: web.StreamResponse | None = None
     while True:
-        out = await _next_output(request, queue)
-        if out is None:
+        out = await queue.get()
+        if out is None:  # the client went away
             return resp if resp is not None else web.Response(status=499)
         if out.rejected is not None:
-            if resp is None:
-                return _rejection(server, out.rejected)
-            return resp
+            return _rejection(server, out.rejected) if resp is None else resp
         batch = [out]
         while not queue.empty():  # coalesce what is already due into one write
             item = queue.get_nowait()
-            if item is None:  # the client went away meanwhile
+            if item is None:
                 return resp if resp is not None else web.Response(status=499)
             batch.append(item)
         if resp is None:
-            resp = web.StreamResponse(
+            resp = _SseResponse(
                 headers={
                     "Content-Type": "text/event-stream",
                     "Cache-Control": "no-cache",
                     REQUEST_ID_HEADER: rid,
                 }
             )
+            if request.version >= HttpVersion11:
+                resp.enable_chunked_encoding()  # the timer writes chunks itself (below)
             await resp.prepare(request)
-        payload = bytearray()
-        finished: Usage | None = None
-        now = server.now()
-        for item in batch:
-            if item.times:
-                payload += chunker.text(
-                    tokens_text(rid, item.index, len(item.times)), item.usage is not None
-                )
-                for t in item.times:
-                    server.record_drift(t, now)
-            if item.usage is not None:
-                finished = item.usage
-        if finished is not None:
-            if parsed.include_usage:
-                payload += chunker.usage(finished)
-            payload += b"data: [DONE]\n\n"
+        data, finished = chunker.payload(batch)
         try:
-            await resp.write(bytes(payload))
+            await resp.write(data)  # also sends the buffered headers
+            delivered = server.now()
+            for item in batch:
+                server.record_drift(item.times, delivered)
             if finished is not None:
                 await resp.write_eof()
                 return resp
         except (ConnectionResetError, asyncio.CancelledError):
+            return resp
+        transport = request.transport
+        if resp.chunked and transport is not None and queue.empty():
+            # From here on the timer writes this stream's tokens; the queue only hears the end
+            # (or None when the client goes away). No await between the check and the handover.
+            server.go_live(_LiveStream(rid, chunker, transport))  # type: ignore[arg-type]
+            end = await queue.get()
+            if end is not None and end.usage is not None:
+                with contextlib.suppress(ConnectionResetError):
+                    await resp.write_eof()
             return resp
 
 

@@ -121,6 +121,9 @@ class Gateway:
         self.log_once = LogOnce(log, every_s=60.0)
         self.open_streams = 0
         self._urls: dict[tuple[str, str], URL] = {}
+        # An embedded router answers synchronously inside its coroutine: a timeout could never
+        # fire, so the per-call timer (a visible share of a proxied request) is skipped.
+        self._needs_timeout = not _is_embedded(routing)
 
     # ---- degraded mode -------------------------------------------------------------------
 
@@ -220,13 +223,22 @@ class Gateway:
                 log.exception("background job %s failed", getattr(job, "__name__", job))
 
     async def _report_loop(self) -> None:
+        """Send queued outcomes, everything queued at once per wake-up (under load many
+        requests finish between two turns of the loop)."""
+        reports = self.reports
         while True:
-            rid, engine_id, outcome = await self.reports.get()
-            try:
-                async with asyncio.timeout(self.config.route_timeout_s):
-                    await self.routing.report(rid, engine_id, outcome)
-            except Exception as exc:
-                self.log_once.warning("router-report", "router report failed: %r", exc)
+            batch = [await reports.get()]
+            while not reports.empty():
+                batch.append(reports.get_nowait())
+            for rid, engine_id, outcome in batch:
+                try:
+                    if self._needs_timeout:
+                        async with asyncio.timeout(self.config.route_timeout_s):
+                            await self.routing.report(rid, engine_id, outcome)
+                    else:
+                        await self.routing.report(rid, engine_id, outcome)
+                except Exception as exc:
+                    self.log_once.warning("router-report", "router report failed: %r", exc)
 
     def _report(self, rid: str, engine_id: str, outcome: Outcome) -> None:
         """Queue an outcome for the router; reporting never delays the response."""
@@ -290,7 +302,10 @@ class Gateway:
         if not self._router_usable(now):
             return self._fallback(req, now, "router_unavailable")
         try:
-            async with asyncio.timeout(self.config.route_timeout_s):
+            if self._needs_timeout:
+                async with asyncio.timeout(self.config.route_timeout_s):
+                    d = await self.routing.route(req)
+            else:
                 d = await self.routing.route(req)
         except Exception as exc:  # remote router down, timeout, or a router bug
             self._router_failed(exc, "route")
@@ -549,8 +564,10 @@ class Gateway:
         rid: str,
         start: float,
     ) -> web.StreamResponse:
-        """Relay SSE bytes as they arrive; no buffering, one write per upstream read."""
-        resp = web.StreamResponse(status=upstream.status, headers=out_headers)
+        """Relay SSE bytes as they arrive; no buffering, one write per upstream read. The
+        headers go out with the first chunk, and the last chunk with the end of the body (one
+        write each rather than two: each write is a syscall and a wake-up of the client)."""
+        resp = _SseResponse(status=upstream.status, headers=out_headers)
         self.open_streams += 1
         self.metrics.open_streams.inc()
         outcome: Outcome = "ok"
@@ -578,6 +595,9 @@ class Gateway:
                     first = False
                     m = self.metrics
                     m.child(m.ttft, route.path).observe(time.perf_counter() - start)
+                if content.at_eof():  # the upstream body is complete: end ours with this chunk
+                    await resp.write_eof(chunk)
+                    return resp
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
@@ -671,6 +691,22 @@ class Gateway:
         log.info("engine %s %s", engine_id, "draining" if draining else "undrained")
         e = self.pool.engines[engine_id]
         return web.json_response(e.describe(time.monotonic()), dumps=_dumps)
+
+
+class _SseResponse(web.StreamResponse):
+    """A streamed response whose headers wait for the first body write (aiohttp's plain
+    ``Response`` does the same), so that they share one packet and one client wake-up."""
+
+    _send_headers_immediately = False
+
+
+def _is_embedded(routing: RoutingService) -> bool:
+    """Is ``routing`` the in-process router (whose calls never wait on I/O)?"""
+    try:
+        from router.service import EmbeddedRouter
+    except ImportError:  # pragma: no cover - the router package is part of kvgate
+        return False
+    return isinstance(routing, EmbeddedRouter)
 
 
 def _dumps(obj: Any) -> str:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.pool import CIRCUIT_CODES, EnginePool
+from kvgate.fast_metrics import FastCollector, FastCounter, FastHistogram
 
 LATENCY_BUCKETS = (
     0.001,
@@ -37,43 +38,50 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        # Touched by every request: the lock-free kind (see FastCounter).
+        self.requests = FastCounter(
             "kvgate_gateway_requests",
             "Requests answered, by route and HTTP status.",
             ["route", "status"],
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = FastHistogram(
             "kvgate_gateway_ttft_seconds",
             "Time from request arrival to the first streamed byte sent to the client.",
             ["route"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e = FastHistogram(
             "kvgate_gateway_request_duration_seconds",
             "Time from request arrival to the last byte sent to the client.",
             ["route", "stream"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.route_seconds = Histogram(
+        self.route_seconds = FastHistogram(
             "kvgate_gateway_route_decision_seconds",
             "Time spent asking the router (or the fallback) where a request goes.",
             buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01, 0.1, 1.0),
-            registry=r,
         )
-        self.decisions = Counter(
+        self.decisions = FastCounter(
             "kvgate_gateway_routing_decisions",
             "Routing decisions, by policy and reason (shed included).",
             ["policy", "reason"],
-            registry=r,
         )
-        self.matched_bytes = Histogram(
+        self.matched_bytes = FastHistogram(
             "kvgate_gateway_matched_prefix_bytes",
             "Bytes of the routing key cached on the chosen engine, per decision.",
             buckets=BYTES_BUCKETS,
-            registry=r,
+        )
+        r.register(
+            FastCollector(
+                (
+                    self.requests,
+                    self.ttft,
+                    self.e2e,
+                    self.route_seconds,
+                    self.decisions,
+                    self.matched_bytes,
+                )
+            )
         )
         self.retries = Counter(
             "kvgate_gateway_retries",
@@ -142,11 +150,13 @@ class GatewayMetrics:
         self.known_engines: set[str] = set()
         self._children: dict[tuple, object] = {}
 
-    def child(self, metric: Counter | Histogram, *labels: str):
+    def child(self, metric: Counter | Histogram | FastCounter | FastHistogram, *labels: str):
         """``metric.labels(*labels)``, cached: label lookups are on every request's path."""
         key = (id(metric), *labels)
         c = self._children.get(key)
         if c is None:
+            if len(self._children) > 10_000:  # label sets are bounded; this is a safety net
+                self._children.clear()
             c = self._children[key] = metric.labels(*labels)
         return c
 

@@ -211,3 +211,41 @@ async def test_tokens_are_delivered_on_the_schedulers_timeline() -> None:
         assert drift["p50_ms"] >= 0
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chunk_templates_match_the_full_json(endpoint: str, include_usage: bool) -> None:
+    """The precomputed token-chunk bytes are exactly orjson's rendering of the whole chunk."""
+    import orjson
+
+    from engine.server import _Chunker
+    from kvgate.openai_request import parse_request
+
+    body: dict = {"model": "kvgate-sim", "stream": True, "max_tokens": 4}
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    parsed = parse_request(endpoint, body, {})  # type: ignore[arg-type]
+    chunker = _Chunker(parsed, 'rid-"quoted"\\')
+    chunker.started = True  # compare token chunks only (the chat role chunk is generic)
+    for text in (" abc", ' "q"\n\u00e9', ""):
+        for finish in (False, True):
+            if endpoint == "chat" and not text:
+                continue  # an empty delta goes through the generic builder
+            field: dict = {"delta": {"content": text}} if endpoint == "chat" else {"text": text}
+            choice = {"index": 0, **field, "logprobs": None, "finish_reason": None}
+            choice["finish_reason"] = "length" if finish else None
+            data: dict = {
+                "id": chunker.rid,
+                "object": "chat.completion.chunk" if endpoint == "chat" else "text_completion",
+                "created": chunker.created,
+                "model": "kvgate-sim",
+                "choices": [choice],
+            }
+            if include_usage:
+                data["usage"] = None
+            assert chunker.text(text, finish) == b"data: " + orjson.dumps(data) + b"\n\n"
