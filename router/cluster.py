@@ -46,7 +46,7 @@ from broker.events import (
 from engine_reporter.hashing import block_hash
 from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
 from router.api import EngineInfo, RouteRequest
-from router.policies.base import EngineView, GroupLoad, Move, Rng
+from router.policies.base import LOAD_MODES, EngineView, GroupLoad, Move, Rng
 from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
 from router.tree import Match, RadixTree
 
@@ -78,6 +78,9 @@ class _Inflight:
     missed_tokens: int
     pending: bool = True  # not yet seen in the engine's queue
     first_token: bool = False
+    prefill_ms: float = 0.0  # its L entry's prefill part (outstanding until the first token)
+    out_tokens: int = 0  # its output tokens (outstanding until it ends)
+    ctx_tokens: float = 0.0  # input + output / 2: its mean context while decoding (EstTPOT)
 
 
 @dataclass(slots=True)
@@ -99,6 +102,9 @@ class _Engine:
     routed_total: int = 0
     load_prefill_ms: float = 0.0
     load_out_tokens: float = 0.0
+    open_prefill_ms: float = 0.0  # prefill of in-flight requests without a first token yet
+    open_out_tokens: int = 0  # output tokens of in-flight requests
+    open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens
     groups: dict[int, list] = field(default_factory=dict)  # group -> [prefill, out, n, deque]
     tpots: deque = field(default_factory=deque)
     tpot_ms: float = 150.0
@@ -107,10 +113,16 @@ class _Engine:
     view: EngineView | None = None
     seq: int = 0  # registration order: the order of the eligible sets (ties break on it)
     load_key: tuple[float, int, str] | None = None  # its entry in Cluster._by_load
+    window_key: tuple[float, int, str] | None = None  # ... in Cluster._by_window
 
-    def load_ms(self) -> float:
-        """Preble's L_i: windowed prefill work + windowed output tokens x TPOT_i."""
+    def window_ms(self) -> float:
+        """Preble's L_i as defined: windowed prefill work + windowed output tokens x TPOT_i."""
         return max(self.load_prefill_ms, 0.0) + max(self.load_out_tokens, 0) * self.tpot_ms
+
+    def outstanding_ms(self) -> float:
+        """L_i over the work still to do: prefill of the in-flight requests that have no first
+        token yet + their output tokens x TPOT_i (the same terms, only for open requests)."""
+        return max(self.open_prefill_ms, 0.0) + max(self.open_out_tokens, 0) * self.tpot_ms
 
     def alive(self, now: float, ttl: float) -> bool:
         return bool(self.url) and (self.static or now - self.last_heartbeat <= ttl)
@@ -164,8 +176,15 @@ class Speculative:
 class Cluster:
     """Everything the router knows; see the module docstring."""
 
-    def __init__(self, config: ClusterConfig | None = None) -> None:
+    def __init__(self, config: ClusterConfig | None = None, *, load_mode: str = "window") -> None:
+        """``load_mode``: which L the engines are ordered and viewed by (``EngineView.load_ms``):
+        ``window`` (Preble's 3-minute history) or ``outstanding`` (in-flight work only);
+        ``EngineView.window_ms`` is always the windowed one (rebalancing moves window work)."""
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, not {load_mode!r}")
         self.config = config or ClusterConfig()
+        self.load_mode = load_mode
+        self._load_of = _Engine.window_ms if load_mode == "window" else _Engine.outstanding_ms
         c = self.config
         self.tree = RadixTree(budget_bytes=c.tree_budget_bytes, idle_ttl_s=c.window_s)
         self.tree.hit_tau_s = c.window_s
@@ -183,6 +202,10 @@ class Cluster:
         # every engine as (L_i, seq, id), kept sorted: explore and rebalancing read the few
         # least (or most) loaded engines instead of scoring all; re-keyed lazily (_load_dirty)
         self._by_load: list[tuple[float, int, str]] = []
+        # the same by the windowed L (rebalancing); the same list when that is L
+        self._by_window: list[tuple[float, int, str]] = (
+            self._by_load if load_mode == "window" else []
+        )
         self._load_dirty: dict[str, _Engine] = {}
         # model -> (eligible set, exclude, the engine with the fewest routed, its count)
         self._min_routed: dict[str, tuple[dict, frozenset[str], _Engine, int]] = {}
@@ -298,6 +321,7 @@ class Cluster:
             rec = self._inflight.get(ev.request_id)
             if rec is not None and not rec.first_token:
                 rec.first_token = True
+                self._prefill_done(rec)
                 self._record_ttft(rec.group, ev.ttft_ms, now)
         elif isinstance(ev, RequestFinished):
             rec = self._inflight.get(ev.request_id)
@@ -317,6 +341,14 @@ class Cluster:
             if eng is not None:
                 eng.pending_prefill_tokens -= rec.missed_tokens
                 eng.view = None
+
+    def _prefill_done(self, rec: _Inflight) -> None:
+        """``rec``'s prefill is no longer outstanding work of its engine."""
+        eng = self.engines.get(rec.engine_id)
+        if eng is not None:
+            eng.open_prefill_ms -= rec.prefill_ms
+            eng.view = None
+            self._load_dirty[eng.engine_id] = eng
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
         eng.tpots.append(tpot_ms)
@@ -390,8 +422,20 @@ class Cluster:
         old = self._inflight.pop(req.request_id, None)
         if old is not None:
             self._forget(old)
-        self._inflight[req.request_id] = _Inflight(engine_id, now, group, missed)
+        ctx_tokens = tokens + req.max_tokens / 2
+        self._inflight[req.request_id] = _Inflight(
+            engine_id,
+            now,
+            group,
+            missed,
+            prefill_ms=prefill,
+            out_tokens=req.max_tokens,
+            ctx_tokens=ctx_tokens,
+        )
         eng.inflight += 1
+        eng.open_prefill_ms += prefill
+        eng.open_out_tokens += req.max_tokens
+        eng.open_ctx_tokens += ctx_tokens
         eng.pending_prefill_tokens += missed
         eng.routed_total += 1
         eng.view = None
@@ -414,7 +458,14 @@ class Cluster:
             eng.inflight -= 1
             if rec.pending:
                 eng.pending_prefill_tokens -= rec.missed_tokens
+            if not rec.first_token:
+                eng.open_prefill_ms -= rec.prefill_ms
+            eng.open_out_tokens -= rec.out_tokens
+            eng.open_ctx_tokens -= rec.ctx_tokens
+            if not eng.inflight:  # no drift from float sums: nothing is open
+                eng.open_prefill_ms = eng.open_ctx_tokens = 0.0
             eng.view = None
+            self._load_dirty[eng.engine_id] = eng
 
     def apply_moves(self, moves: Iterable[Move], now: float) -> None:
         """Apply E2's rebalancing: re-attribute a group's window work and route it elsewhere."""
@@ -527,7 +578,8 @@ class Cluster:
                 url=eng.url,
                 profile=p,
                 inflight=eng.inflight,
-                load_ms=eng.load_ms(),
+                load_ms=self._load_of(eng),
+                window_ms=eng.window_ms(),
                 tpot_ms=eng.tpot_ms,
                 hit_ratio=eng.hit_matched / eng.hit_total if eng.hit_total else 0.0,
                 free_bytes=max(capacity - max(held, used), 0),
@@ -535,7 +587,10 @@ class Cluster:
                 routed_total=eng.routed_total,
                 heartbeat=hb,
                 queued_prefill_ms=queued_prefill_ms(p, hb, max(eng.pending_prefill_tokens, 0)),
-                next_decode_step_ms=next_decode_step_ms(p, hb),
+                next_decode_step_ms=next_decode_step_ms(
+                    p, hb, eng.open_ctx_tokens, max(eng.inflight, 0)
+                ),
+                open_ctx_tokens=max(eng.open_ctx_tokens, 0.0),
                 position=eng.seq,
             )
         return v
@@ -579,16 +634,24 @@ class Cluster:
         return entry
 
     def _sync_loads(self) -> None:
-        """Re-key the engines whose L changed since the last decision in ``_by_load``."""
+        """Re-key the engines whose L changed since the last decision in ``_by_load`` (and
+        ``_by_window``)."""
         dirty = self._load_dirty
         if not dirty:
             return
         by_load = self._by_load
+        by_window = self._by_window
+        load_of = self._load_of
         for eng in dirty.values():
             if eng.load_key is not None:  # (a plain list: bisect + memmove beat a tree here)
                 del by_load[bisect_left(by_load, eng.load_key)]
-            eng.load_key = (eng.load_ms(), eng.seq, eng.engine_id)
+            eng.load_key = (load_of(eng), eng.seq, eng.engine_id)
             insort(by_load, eng.load_key)
+            if by_window is not by_load:
+                if eng.window_key is not None:
+                    del by_window[bisect_left(by_window, eng.window_key)]
+                eng.window_key = (eng.window_ms(), eng.seq, eng.engine_id)
+                insort(by_window, eng.window_key)
         dirty.clear()
 
 
@@ -623,16 +686,18 @@ class View:
             return None
         return eng.view or self._cluster.engine_view(eng)
 
-    def by_load(self, descending: bool = False) -> Iterator[EngineView]:
-        """Candidates by ``(load_ms, position)``, ascending or descending (``position`` is the
-        registration order, the order of :attr:`engines`). Lazy: reading the first few costs a
-        few steps, not a pass over every engine."""
+    def by_load(self, descending: bool = False, window: bool = False) -> Iterator[EngineView]:
+        """Candidates by ``(load_ms, position)`` (``window``: by ``(window_ms, position)``),
+        ascending or descending (``position`` is the registration order, the order of
+        :attr:`engines`). Lazy: reading the first few costs a few steps, not a pass over every
+        engine."""
         cl = self._cluster
         cl._sync_loads()
         eligible = self._eligible
         exclude = self._exclude
         view = cl.engine_view
-        for _, _, engine_id in reversed(cl._by_load) if descending else cl._by_load:
+        order = cl._by_window if window else cl._by_load
+        for _, _, engine_id in reversed(order) if descending else order:
             eng = eligible.get(engine_id)
             if eng is not None and engine_id not in exclude:
                 yield eng.view or view(eng)

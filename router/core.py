@@ -37,7 +37,10 @@ class Router:
         self.config = config or RouterConfig()
         self.rng = rng
         self.policy: Policy = make_policy(self.config.policy, self.config.policy_options)
-        self.cluster = Cluster(self.config.cluster)
+        # the policy says which load L the cluster orders engines by (E2's ``load`` option)
+        self.cluster = Cluster(
+            self.config.cluster, load_mode=getattr(self.policy, "load_mode", "window")
+        )
         self.decisions: dict[tuple[str, str], int] = {}  # (policy, reason) -> count
         self.routed_key_bytes = 0
         self.routed_matched_bytes = 0

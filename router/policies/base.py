@@ -19,6 +19,8 @@ from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
 from router.api import Candidate, Decision, Reason, RouteRequest
 
+# E2's L_i: over the work still outstanding (in-flight requests) or Preble's 3-minute window
+LOAD_MODES = ("outstanding", "window")
 MAX_LISTED = 8  # candidates listed in a decision by matched bytes (building them costs time)
 
 
@@ -38,7 +40,7 @@ class EngineView:
     url: str
     profile: CostProfile
     inflight: int  # requests routed there and not finished
-    load_ms: float  # L_i: windowed prefill of missed tokens + output tokens x TPOT_i
+    load_ms: float  # L_i (E2's load mode): prefill of missed tokens + output tokens x TPOT_i
     tpot_ms: float  # median of the last measured TPOTs (seeded)
     hit_ratio: float  # cached share of the keys routed there recently (prefill/decode mix)
     free_bytes: int  # KV capacity not holding cached prefixes, in key bytes
@@ -48,6 +50,8 @@ class EngineView:
     queued_prefill_ms: float = 0.0  # prefill time of the reported queue + routed-not-queued
     next_decode_step_ms: float = 0.0  # EstTPOT with one more request in the virtual batch
     position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
+    window_ms: float = 0.0  # L_i over Preble's window (what rebalancing moves), any load mode
+    open_ctx_tokens: float = 0.0  # sum over in-flight requests of input + output / 2 tokens
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
@@ -112,9 +116,9 @@ class ClusterView(Protocol):
         """The candidate ``engine_id`` (None when it is not one): cheap lookups by id."""
         ...
 
-    def by_load(self, descending: bool = False) -> Iterator[EngineView]:
-        """The candidates by ``(load_ms, position)`` (ascending, or both descending), lazily:
-        policies read the first few instead of scoring all."""
+    def by_load(self, descending: bool = False, window: bool = False) -> Iterator[EngineView]:
+        """The candidates by ``(load_ms, position)`` (``window``: ``window_ms``; ascending, or
+        both descending), lazily: policies read the first few instead of scoring all."""
         ...
 
     def min_routed(self) -> int:
@@ -163,6 +167,7 @@ class PolicyBase:
     """Defaults for the optional hook."""
 
     name = "base"
+    load_mode = "window"  # which L the cluster keeps as EngineView.load_ms (router.cluster)
 
     def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:
         return ()

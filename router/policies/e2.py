@@ -10,9 +10,18 @@ rest (bytes).
   the least load ``L`` (then fewest in flight; exact ties by the rng). Preble's code picks by
   position in a set here; that is a bug, not copied.
 * Explore otherwise: the engine minimising ``L_i + M_i + P_i`` (ms), where
-  ``L_i`` = windowed work routed to ``i`` (prefill of missed tokens + shared-prefix share +
-  output tokens x TPOT_i), ``M_i`` = eviction cost of fitting the missed bytes into ``i``'s free
-  KV space (hit count x miss rate x prefill time of each prefix its LRU would evict),
+  ``L_i`` = work routed to ``i`` (prefill of missed tokens + shared-prefix share + output
+  tokens x TPOT_i), by default only the work still *outstanding* (``load="outstanding"``: a
+  request's prefill term until its first token, its output term until it ends), or, as
+  DESIGN.md/Preble define it, all work routed in the last 3 minutes (``load="window"``, the
+  pure-Preble ablation). Why the refinement: measured on Mooncake, the windowed L is ~160 s
+  per engine (output x TPOT of ~20 mostly finished requests) against a P of ~1 s, and differs
+  between engines by tens of seconds of *history* that says nothing about the queue a new
+  request joins; explore degenerated into least-windowed-history and sent requests behind
+  tens of thousands of queued prefill tokens while other engines were idle. Rebalancing
+  keeps Preble's windowed L in both modes (it moves window work). ``M_i`` = eviction cost
+  of fitting the missed bytes into ``i``'s free KV space (hit count x miss rate x prefill
+  time of each prefix its LRU would evict),
   ``P_i`` = ``prefill_ms(missed tokens on i, cached tokens on i)`` on ``i``'s cost profile.
   With ``pd_balance``, engines whose recent cache-hit ratio is at least 0.7 (decode-heavy) are
   tried first (``pd_balance``). Ties break on load.
@@ -24,7 +33,7 @@ rest (bytes).
   of the window is at least ``replicate_ttft_ratio`` x the first half.
 
 Every mechanism can be switched off for ablation (``rebalance``, ``pd_balance``,
-``prefill_term``, ``eviction_term``, ``slo_filter``).
+``prefill_term``, ``eviction_term``, ``slo_filter``; ``load=window`` for Preble's L).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from operator import itemgetter
 
 from router.api import Candidate, Decision, Reason
 from router.policies.base import (
+    LOAD_MODES,
     ClusterView,
     EngineView,
     Move,
@@ -62,6 +72,8 @@ class E2Config:
     prefill_term: bool = True  # P_i (Preble's paper has it; its released code does not)
     eviction_term: bool = True  # M_i
     slo_filter: bool = True  # skip engines that cannot meet the SLO; shed when none can
+    # L_i over "outstanding" work (in-flight requests) or Preble's 3-minute "window"
+    load: str = "outstanding"
     rebalance_ratio: float = 1.5
     warmup_requests: int = 50
     min_group_requests: int = 2
@@ -82,6 +94,9 @@ class E2(PolicyBase):
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.config = config or E2Config()
+        if self.config.load not in LOAD_MODES:
+            raise ValueError(f"e2: load must be one of {LOAD_MODES}, not {self.config.load!r}")
+        self.load_mode = self.config.load
         # P by (profile, key bytes, matched bytes), across decisions (a pure function's memo)
         self._p_cache: PrefillCache = {}
 
@@ -228,16 +243,17 @@ class E2(PolicyBase):
         if view.min_routed() < cfg.warmup_requests:
             return ()
         # the least and the most loaded (equal loads: the first in engine order, as min/max)
-        least = next(view.by_load())
-        busiest = next(view.by_load(descending=True))
-        if busiest.load_ms == least.load_ms:  # all equal: max() would take the first
+        # Preble's rule on the windowed L (the work a move re-attributes), in any load mode
+        least = next(view.by_load(window=True))
+        busiest = next(view.by_load(descending=True, window=True))
+        if busiest.window_ms == least.window_ms:  # all equal: max() would take the first
             busiest = least
         else:  # equal loads come last-position first here; max() takes the first position
-            for ev in view.by_load(descending=True):
-                if ev.load_ms != busiest.load_ms:
+            for ev in view.by_load(descending=True, window=True):
+                if ev.window_ms != busiest.window_ms:
                     break
                 busiest = ev
-        hi, lo = busiest.load_ms, least.load_ms
+        hi, lo = busiest.window_ms, least.window_ms
         if hi <= 0.0 or hi < cfg.rebalance_ratio * lo:
             return ()
         moves: list[Move] = []

@@ -7,7 +7,8 @@ the router sent it since (precomputed in :class:`EngineView`):
   tokens after its cached ones) <= ttft_slo``;
 * TPOT (SCORPIO's VBS admission): with this request added to the virtual batch,
   ``EstTPOT(VBS + 1, L) x 1.3 < 0.99 x tpot_slo`` where ``L`` is the mean context of the
-  running requests (KV blocks used x block tokens / running).
+  requests in flight there plus this one (``input + output / 2`` tokens each, as the engine's
+  VBS admission computes it; not the KV blocks in use, which include idle cached prefixes).
 
 An engine without a heartbeat is assumed feasible (nothing says otherwise). When no engine is
 feasible the request is shed with ``retry_after_s``: the smallest TTFT excess among engines
@@ -35,11 +36,21 @@ def queued_prefill_ms(profile: CostProfile, hb: LoadHeartbeat | None, pending: i
     return profile.prefill_ms(queued)
 
 
-def next_decode_step_ms(profile: CostProfile, hb: LoadHeartbeat | None) -> float:
-    """SCORPIO's EstTPOT with one more request in the virtual batch (0: unknown)."""
+def next_decode_step_ms(
+    profile: CostProfile,
+    hb: LoadHeartbeat | None,
+    ctx_tokens: float,
+    requests: int,
+) -> float:
+    """SCORPIO's EstTPOT with one more request in the virtual batch (0: unknown): the batch is
+    the heartbeat's VBS + 1 and the context the mean of ``input + output / 2`` over ``requests``
+    (the engine's own admission rule), from the router's in-flight records (``ctx_tokens`` is
+    their sum; the request itself included when the caller adds it). Not the KV blocks in use:
+    those include every idle cached prefix, so a full prefix cache would look like a huge
+    context and make an engine with one running request 'infeasible'."""
     if hb is None:
         return 0.0
-    mean_ctx = hb.kv_blocks_used * profile.block_tokens / max(hb.running, 1)
+    mean_ctx = ctx_tokens / requests if requests > 0 else 0.0
     return profile.decode_step_ms(hb.vbs + 1.0, mean_ctx)
 
 
@@ -54,7 +65,12 @@ def check(
     excess = ev.queued_prefill_ms + prefill_cost_ms(ev, ctx.key_len, matched, cache) - slo.ttft_ms
     if excess > 0:
         return excess
-    if ev.next_decode_step_ms * TPOT_SAFETY >= TPOT_HEADROOM * slo.tpot_ms:
+    req = ctx.request
+    mine = max(req.input_tokens, ev.profile.tokens_for_bytes(ctx.key_len)) + req.max_tokens / 2
+    step_ms = next_decode_step_ms(
+        ev.profile, ev.heartbeat, ev.open_ctx_tokens + mine, max(ev.inflight, 0) + 1
+    )
+    if step_ms * TPOT_SAFETY >= TPOT_HEADROOM * slo.tpot_ms:
         return TPOT_MISS_RETRY_MS
     return 0.0
 

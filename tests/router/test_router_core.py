@@ -18,6 +18,7 @@ from broker.events import (
     RequestRejected,
 )
 from engine_reporter.hashing import chain_hashes, split_blocks
+from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.cluster import ClusterConfig
 from router.core import Router, RouterConfig
@@ -28,8 +29,11 @@ BLOCK = 64
 class Fleet:
     """Engines publishing into one Router by hand, with per-engine sequence numbers."""
 
-    def __init__(self, n: int = 3, policy: str = "e2", **cluster) -> None:
-        self.router = Router(RouterConfig(policy, {}, ClusterConfig(**cluster)), random.Random(0))
+    def __init__(
+        self, n: int = 3, policy: str = "e2", options: dict | None = None, **cluster
+    ) -> None:
+        config = RouterConfig(policy, options or {}, ClusterConfig(**cluster))
+        self.router = Router(config, random.Random(0))
         self.seq: dict[str, int] = {}
         self.epoch: dict[str, str] = {}
         for i in range(n):
@@ -120,8 +124,62 @@ def test_tpot_median_feeds_the_load_term() -> None:
     assert cl.engines["e0"].tpot_ms == 20.0
     f.route("r9", b"z" * 64, 2.0)
     view = cl.engine_view(cl.engines["e0"])
-    window = cl.engines["e0"]
-    assert view.load_ms == pytest.approx(window.load_prefill_ms + window.load_out_tokens * 20.0)
+    eng = cl.engines["e0"]
+    assert view.window_ms == pytest.approx(eng.load_prefill_ms + eng.load_out_tokens * 20.0)
+    # E2's default L: only r9 is open (its prefill, 50 output tokens x the measured 20 ms)
+    assert view.load_ms == pytest.approx(eng.open_prefill_ms + 50 * 20.0)
+    assert eng.open_prefill_ms > 0
+
+
+def test_outstanding_load_leaves_with_first_token_and_finish() -> None:
+    f = Fleet(n=1)
+    cl = f.router.cluster
+    f.route("a", b"q" * 40_000, 1.0, max_tokens=100)
+    eng = cl.engines["e0"]
+    full = cl.engine_view(eng).load_ms
+    assert full == pytest.approx(eng.open_prefill_ms + 100 * 150.0)
+    f.send("e0", FirstToken("a", 900.0), 2.0)
+    assert cl.engine_view(eng).load_ms == pytest.approx(100 * 150.0)  # prefill done
+    f.send("e0", RequestFinished("a", 100, 900.0, 20.0), 5.0)
+    view = cl.engine_view(eng)
+    assert view.load_ms == 0.0  # nothing outstanding
+    assert view.window_ms > 0.0  # the window still remembers it (rebalancing's L)
+
+
+def test_e2_explore_follows_outstanding_work_not_window_history() -> None:
+    """e0 served a lot in the last 3 minutes, all finished; e1 has one long request still in
+    flight. Outstanding L sends new work to the idle e0; Preble's windowed L (the ablation,
+    ``load=window``) to the busy e1."""
+    picks = {}
+    for mode in ("outstanding", "window"):
+        f = Fleet(n=2, options={"load": mode, "pd_balance": False})
+        cl = f.router.cluster
+        f.router.set_draining("e1", True)
+        for i in range(6):  # history on e0, finished at once
+            f.router.route(
+                RouteRequest(f"h{i}", "m", bytes([i]) * 8_000, 2_000, 200), 1.0 + i * 0.01
+            )
+            rid = f"h{i}"
+            engine = cl._inflight[rid].engine_id
+            f.send(engine, RequestFinished(rid, 200, 100.0, 20.0), 1.0 + i * 0.01)
+        f.router.set_draining("e1", False)
+        f.router.set_draining("e0", True)  # the long one must land on e1
+        f.route("long", b"L" * 40_000, 2.0, max_tokens=100)
+        f.router.set_draining("e0", False)
+        picks[mode] = f.route("new", b"n" * 40_000, 3.0).engine_id
+    assert picks == {"outstanding": "e0", "window": "e1"}
+
+
+def test_full_prefix_cache_does_not_make_an_engine_tpot_infeasible() -> None:
+    """KV blocks in use include idle cached prefixes: a full cache with one running request is
+    no 224k-token decode context (which made e2 shed requests on idle engines)."""
+    f = Fleet(n=1)
+    f.heartbeat("e0", 1.0, running=1, vbs=1.0, kv_blocks_used=14_000)
+    slo = Slo(ttft_ms=5_000.0, tpot_ms=100.0)
+    f.route("a", b"a" * 40_000, 1.5, max_tokens=300, slo=slo)
+    d = f.route("b", b"b" * 4_000, 2.0, max_tokens=60, slo=slo)
+    assert (d.engine_id, d.reason) != (None, "shed")
+    assert d.engine_id == "e0"
 
 
 def test_new_epoch_and_all_cleared_forget_the_engine_cache() -> None:

@@ -32,6 +32,7 @@ def ev(
     free: int = 1 << 30,
     routed: int = 100,
     hb: LoadHeartbeat | None = None,
+    open_ctx: float = 0.0,
 ) -> EngineView:
     return EngineView(
         engine_id=engine_id,
@@ -46,7 +47,9 @@ def ev(
         routed_total=routed,
         heartbeat=hb,
         queued_prefill_ms=queued_prefill_ms(PROFILE, hb, 0),
-        next_decode_step_ms=next_decode_step_ms(PROFILE, hb),
+        next_decode_step_ms=next_decode_step_ms(PROFILE, hb, open_ctx, inflight),
+        window_ms=load,
+        open_ctx_tokens=open_ctx,
     )
 
 
@@ -69,8 +72,11 @@ class FakeView:
     def __post_init__(self) -> None:  # positions: the order of ``engines``, as the cluster's
         self.engines = [replace(e, position=i) for i, e in enumerate(self.engines)]
 
-    def by_load(self, descending: bool = False) -> Iterator[EngineView]:
-        ranked = sorted(self.engines, key=lambda e: (e.load_ms, e.position), reverse=descending)
+    def by_load(self, descending: bool = False, window: bool = False) -> Iterator[EngineView]:
+        def load(e: EngineView) -> float:
+            return e.window_ms if window else e.load_ms
+
+        ranked = sorted(self.engines, key=lambda e: (load(e), e.position), reverse=descending)
         return iter(ranked)
 
     def min_routed(self) -> int:
@@ -269,6 +275,11 @@ def test_slo_filter_skips_infeasible_engines_and_sheds_when_none_left() -> None:
     d = make_policy("e2").choose(ctx(slo=slo), FakeView(engines), 0.0)
     assert d.shed and d.reason == "shed" and d.engine_id is None
     assert 0.5 <= d.retry_after_s <= 30.0
+    # a prefix cache full of idle blocks is no decode context: one running request of ~13k
+    # tokens is TPOT-feasible (the KV-blocks-in-use estimate said 224k tokens of context each)
+    busy_cache = ev("c", inflight=1, open_ctx=13_170.0, hb=_hb(vbs=1.0, running=1, used=14_000))
+    d = make_policy("e2").choose(ctx(slo=slo), FakeView([busy_cache]), 0.0)
+    assert d.engine_id == "c"
     # baselines can opt in to the same filter
     d = make_policy("least_load", {"slo_filter": True}).choose(ctx(slo=slo), FakeView(engines), 0)
     assert d.shed
