@@ -4,8 +4,11 @@
 
 Targets, all fronting the same upstream engines in the same run: ``direct`` (the client spreads
 requests over the engines itself), ``kvgate`` (``kvgate gateway`` as its own process, static
-engines, embedded router), ``sglang-router`` and ``vllm-router`` (pip packages, round robin).
-Each runs as its own process on loopback.
+engines, embedded router; ``kvgate-wN`` the same with ``--workers N``), ``sglang-router`` and
+``vllm-router`` (pip packages, round robin). Each runs as its own process on loopback. Every
+kvgate target uses the same real Redis broker (a private ``redis-server`` on a loopback port,
+started by the benchmark unless ``--broker-url`` names one), since more than one worker needs a
+shared broker; the engines publish nothing, so the broker only carries the routers' idle reads.
 
 The upstream is an instant OpenAI-compatible server in its own process (``upstream`` verb
 below): it answers as soon as it has read the request, so what is measured is the proxies' cost
@@ -312,30 +315,49 @@ async def run_bench(args: argparse.Namespace) -> dict:
     targets: list[Target] = []
     for i, url in enumerate(engine_urls):
         targets.append(Target(f"direct-{i}", url))
-    gw_port = free_port()
-    targets.append(
-        Target(
-            "kvgate",
-            f"http://{LOOPBACK}:{gw_port}",
-            [
-                py,
-                "-m",
-                "kvgate.cli",
-                "gateway",
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(gw_port),
-                "--policy",
-                args.kvgate_policy,
-                "--no-access-log",
-                "--log-level",
-                "warning",
-                *(a for i, u in enumerate(engine_urls) for a in ("--engine", f"u{i}={u},{MODEL}")),
-            ],
-            version="local",
+    redis_proc = None
+    broker_url = args.broker_url
+    if broker_url is None:
+        try:
+            redis_proc, broker_url = _start_redis(logs)
+        except RuntimeError:
+            _stop(upstream)
+            raise
+    for workers in args.workers:
+        gw_port = free_port()
+        targets.append(
+            Target(
+                _kvgate_name(workers),
+                f"http://{LOOPBACK}:{gw_port}",
+                [
+                    py,
+                    "-m",
+                    "kvgate.cli",
+                    "gateway",
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(gw_port),
+                    "--workers",
+                    str(workers),
+                    "--broker-url",
+                    broker_url,
+                    "--broker-prefix",
+                    f"kvgate-bench-{os.getpid()}-w{workers}:",
+                    "--policy",
+                    args.kvgate_policy,
+                    "--no-access-log",
+                    "--log-level",
+                    "warning",
+                    *(
+                        a
+                        for i, u in enumerate(engine_urls)
+                        for a in ("--engine", f"u{i}={u},{MODEL}")
+                    ),
+                ],
+                version="local",
+            )
         )
-    )
     sg_bin = shutil.which("sglang-router", path=str(Path(py).parent)) and py
     if sg_bin and _pip_version("sglang-router"):
         port = free_port()
@@ -406,7 +428,7 @@ async def run_bench(args: argparse.Namespace) -> dict:
             "python": platform.python_version(),
             "note": "shared 2-core machine; other agents were running: noisy",
         },
-        "params": vars(args) | {"engines_urls": engine_urls},
+        "params": vars(args) | {"engines_urls": engine_urls, "broker": broker_url},
         "targets": {},
     }
     try:
@@ -482,18 +504,61 @@ async def run_bench(args: argparse.Namespace) -> dict:
         for t in targets:
             _stop(t.proc)
         _stop(upstream)
+        _stop(redis_proc)
     return result
 
 
+def _kvgate_name(workers: int) -> str:
+    return "kvgate" if workers == 1 else f"kvgate-w{workers}"
+
+
+def _start_redis(logs: Path) -> tuple[subprocess.Popen, str]:
+    """A private, non-persistent redis-server on a free loopback port, for the kvgate targets."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server not found (apt-get install redis-server) or --broker-url")
+    port = free_port()
+    proc = _start(
+        [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no"],
+        logs / "redis.log",
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((LOOPBACK, port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://{LOOPBACK}:{port}/0"
+        except OSError:
+            pass
+        time.sleep(0.05)
+    _stop(proc)
+    raise RuntimeError("redis-server did not start: " + _tail(logs / "redis.log"))
+
+
 def _summary(targets: dict) -> dict:
-    """The figures the issue's targets are stated in."""
+    """The figures the issue's targets are stated in: ``kvgate`` (one worker) at the top level
+    of each mode, every ``kvgate-wN`` target under ``by_workers``."""
     out: dict = {}
     kv = targets.get("kvgate", {}).get("results")
     sg = targets.get("sglang-router", {}).get("results")
     if not kv:
         return {"error": "kvgate did not run"}
+    multi = {
+        name: entry["results"]
+        for name, entry in targets.items()
+        if name.startswith("kvgate") and entry.get("results")
+    }
     for mode in ("non_stream", "stream"):
         m = kv[mode]
+        by_workers = {}
+        for name, res in multi.items():
+            w = {"rps": res[mode]["throughput_rps"], "added_p50_ms": res[mode]["added_p50_ms"]}
+            if sg:
+                ratio = round(res[mode]["throughput_rps"] / sg[mode]["throughput_rps"], 3)
+                w["over_sglang_rps"] = ratio
+                w["target_rps_at_least_0_7x_sglang"] = ratio >= 0.7
+            by_workers[name] = w
         row = {
             "kvgate_added_p50_ms": m["added_p50_ms"],
             "kvgate_added_p99_ms": m["added_p99_ms"],
@@ -511,6 +576,7 @@ def _summary(targets: dict) -> dict:
         if vr:
             row["vllm_router_rps"] = vr[mode]["throughput_rps"]
             row["vllm_router_added_p50_ms"] = vr[mode]["added_p50_ms"]
+        row["by_workers"] = by_workers
         out[mode] = row
     return out
 
@@ -549,6 +615,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput-requests", type=int, default=1500, help="per target, per round")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--kvgate-policy", default="e2")
+    p.add_argument(
+        "--workers",
+        type=lambda v: sorted({int(x) for x in v.split(",")}),
+        default=[1, 2],
+        metavar="N[,N...]",
+        help="kvgate targets to run, by `--workers` count (default 1,2; 1 is always run)",
+    )
+    p.add_argument(
+        "--broker-url",
+        default=None,
+        help="Redis for the kvgate targets (default: a private redis-server on loopback)",
+    )
     p.add_argument("--ready-timeout", type=float, default=60.0)
     p.add_argument("--log-dir", default="/tmp/kvgate-bench-gateway")
     p.add_argument("--out", default=str(RESULTS))
@@ -557,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "upstream":
         _run(_serve_upstream(args.ports, args.chunks, args.gap_ms))
         return 0
+    if 1 not in args.workers:  # the summary's reference row
+        args.workers = [1, *args.workers]
+    if any(w < 1 for w in args.workers):
+        p.error("--workers counts must be >= 1")
     if args.quick:
         args.rounds, args.latency_requests, args.throughput_requests = 1, 50, 200
     result = _run(run_bench(args))

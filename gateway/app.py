@@ -20,6 +20,7 @@ import contextlib
 import hmac
 import logging
 import math
+import os
 import secrets
 import socket
 import time
@@ -46,6 +47,7 @@ log = logging.getLogger("kvgate.gateway")
 
 REQUEST_ID = "x-request-id"
 ROUTE_HEADER = "x-kvgate-route"
+WORKER_HEADER = "x-kvgate-worker"  # the gateway process's pid, on debug responses
 DEBUG_HEADER = "x-kvgate-debug"
 FALLBACK_POLICY = "gateway_fallback"
 # Hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp recomputes: never copied across.
@@ -67,7 +69,7 @@ _HOP = frozenset(
     }
 )
 _NOT_FORWARDED = _HOP | {DEBUG_HEADER, REQUEST_ID}
-_NOT_RELAYED = _HOP | {REQUEST_ID, ROUTE_HEADER}
+_NOT_RELAYED = _HOP | {REQUEST_ID, ROUTE_HEADER, WORKER_HEADER}
 _UPSTREAM_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 StatsProvider = Callable[[], Awaitable[Mapping[str, Any]]]
@@ -121,6 +123,7 @@ class Gateway:
         self.log_once = LogOnce(log, every_s=60.0)
         self.open_streams = 0
         self._urls: dict[tuple[str, str], URL] = {}
+        self.pid = str(os.getpid())  # which worker answered (``--workers N``)
         # An embedded router answers synchronously inside its coroutine: a timeout could never
         # fire, so the per-call timer (a visible share of a proxied request) is skipped.
         self._needs_timeout = not _is_embedded(routing)
@@ -351,6 +354,7 @@ class Gateway:
         out[REQUEST_ID] = rid
         if debug:
             out[ROUTE_HEADER] = decision.header_value()
+            out[WORKER_HEADER] = self.pid
         return out
 
     async def handle(self, request: web.Request, route: _Route) -> web.StreamResponse:
@@ -631,7 +635,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": data}, dumps=_dumps)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"}, dumps=_dumps)
+        return web.json_response({"status": "ok", "pid": int(self.pid)}, dumps=_dumps)
 
     async def ready(self, request: web.Request) -> web.Response:
         usable = len(self.pool.usable(None, time.monotonic()))
@@ -793,10 +797,16 @@ def create_app(
 
 
 async def serve(
-    app: web.Application, host: str, port: int, *, drain_timeout_s: float = 30.0
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    drain_timeout_s: float = 30.0,
+    reuse_port: bool = False,
 ) -> tuple[web.AppRunner, int]:
     """Start ``app`` on host:port (0 = a free port); returns the runner and the bound port.
-    Client disconnects cancel the handler, so the upstream request is cancelled too."""
+    Client disconnects cancel the handler, so the upstream request is cancelled too.
+    ``reuse_port``: SO_REUSEPORT, for the worker processes that share one port."""
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
@@ -805,7 +815,7 @@ async def serve(
         access_log=None,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     server = site._server  # the asyncio server: the only place the bound port is known
     assert server is not None and server.sockets

@@ -4,19 +4,25 @@ kvgate gateway --port 8000                                  # embedded router, m
 kvgate gateway --broker-url redis://127.0.0.1:6379/0 --policy e2
 kvgate gateway --router-url http://router:9000              # a remote ``kvgate router``
 kvgate gateway --engine e0=http://10.0.0.5:8000,llama-3-8b  # static engines (repeatable)
+kvgate gateway --workers 0 --broker-url redis://127.0.0.1:6379/0  # one process per CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
+import sys
 
-from gateway.app import create_app, serve
+from aiohttp import web
+
+from gateway.app import GATEWAY_KEY, create_app, serve
 from gateway.config import BreakerConfig, GatewayConfig, parse_engine_spec, parse_template_spec
 from gateway.routing import RoutingOptions, open_routing
+from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resolve_workers
 from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
@@ -28,6 +34,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     parser.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
     parser.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
+    w = parser.add_argument_group("processes")
+    w.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing the port (SO_REUSEPORT); 0 = one per CPU. N > 1 needs "
+        "a shared broker (redis://) or --router-url (default %(default)s)",
+    )
+    w.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="worker i also serves /metrics on PORT+i, so Prometheus can scrape every worker "
+        "(the shared port answers from one worker per scrape)",
+    )
+    w.add_argument(
+        "--worker-restart-limit",
+        type=int,
+        default=RestartPolicy().max_fast_failures,
+        metavar="K",
+        help=f"give up after K consecutive worker deaths within "
+        f"{RestartPolicy().fast_failure_s:.0f} s of their start (default %(default)s)",
+    )
     r = parser.add_argument_group("routing")
     r.add_argument(
         "--router-url",
@@ -134,7 +165,14 @@ def load_templates(specs: list[str]) -> dict[str | None, ChatTemplate]:
     return out
 
 
-async def serve_forever(args: argparse.Namespace, config: GatewayConfig) -> int:
+async def serve_forever(
+    args: argparse.Namespace, config: GatewayConfig, *, slot: int = 0, reuse_port: bool = False
+) -> int:
+    """One gateway process: the whole gateway when alone, or worker ``slot`` of several."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a stop during startup is not a crash
+        loop.add_signal_handler(sig, stop.set)
     templates = load_templates(args.chat_template)
     options = RoutingOptions(
         router_url=args.router_url,
@@ -153,32 +191,81 @@ async def serve_forever(args: argparse.Namespace, config: GatewayConfig) -> int:
             stats=routing.stats,
             on_drain=routing.on_drain,
         )
+        if stop.is_set():
+            return 0
         runner, port = await serve(
-            app, config.host, config.port, drain_timeout_s=config.drain_timeout_s
+            app,
+            config.host,
+            config.port,
+            drain_timeout_s=config.drain_timeout_s,
+            reuse_port=reuse_port,
         )
-        log.info(
-            "gateway listening",
-            extra={"url": f"http://{config.host}:{port}", "router": routing.description},
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        metrics_runner = None
         try:
+            if args.metrics_port_base is not None:
+                metrics_runner, _ = await serve(
+                    metrics_app(app), config.host, args.metrics_port_base + slot
+                )
+            log.info(
+                "gateway listening",
+                extra={
+                    "url": f"http://{config.host}:{port}",
+                    "router": routing.description,
+                    "worker": slot,
+                    "pid": os.getpid(),
+                },
+            )
             await stop.wait()
         finally:
             log.info("stopping: draining open streams for up to %.0f s", config.drain_timeout_s)
+            if metrics_runner is not None:
+                await metrics_runner.cleanup()
             await runner.cleanup()
     return 0
+
+
+def metrics_app(gateway_app: web.Application) -> web.Application:
+    """``/metrics`` (and ``/health``) of one worker on a port of its own: Prometheus scrapes
+    each worker there, since the shared port reaches one worker per scrape."""
+    gw = gateway_app[GATEWAY_KEY]
+    app = web.Application()
+    app.router.add_get("/metrics", gw.metrics_endpoint)
+    app.router.add_get("/health", gw.health)
+    return app
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         config = config_from_args(args)
+        workers = resolve_workers(args.workers)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    problem = multi_worker_error(workers, args.router_url, args.broker_url)
+    if problem is not None:
+        log.error("%s", problem)
+        print(f"kvgate gateway: error: {problem}", file=sys.stderr)
+        return 2
+    if workers == 1:
+        return run_worker(args, 0, config.port, reuse_port=False)
+    supervisor = Supervisor(
+        args,
+        workers,
+        run_worker,
+        policy=RestartPolicy(max_fast_failures=max(1, args.worker_restart_limit)),
+        drain_timeout_s=config.drain_timeout_s,
+    )
+    try:
+        return supervisor.run(config.host, config.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        return 2
+
+
+def run_worker(args: argparse.Namespace, slot: int, port: int, *, reuse_port: bool = True) -> int:
+    """One gateway process on its own event loop (uvloop when installed)."""
+    config = dataclasses.replace(config_from_args(args), port=port)
     try:
         import uvloop
 
@@ -186,4 +273,4 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        return runner.run(serve_forever(args, config))
+        return runner.run(serve_forever(args, config, slot=slot, reuse_port=reuse_port))
