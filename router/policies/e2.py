@@ -9,6 +9,16 @@ rest (bytes).
 * Exploit when ``missed < matched``: among the engines holding the longest match, the one with
   the least load ``L`` (then fewest in flight; exact ties by the rng). Preble's code picks by
   position in a set here; that is a bug, not copied.
+* Exploit guard (``exploit_guard``, off by default, see docs/router.md; not in Preble): the
+  exploit candidate ``h`` costs ``C_h = L_h + M_h + P_h`` (``P_h``: prefill of the few missed
+  bytes). If ``C_h > guard_ratio x C_e + guard_slack_ms``, ``C_e`` being the explore optimum
+  ``min_i (L_i + M_i + P_i)``, the request goes to the explore winner instead (``replicate``:
+  that copies the hot prefix to a second engine). Why: when a whole family shares one system
+  prompt, ``missed < matched`` holds for every request of it, and exploit sent them all to the
+  one holder (~300 in flight on ``preble_mix``) long before rebalancing's warm-up (50 requests
+  on *every* engine) let Preble's windowed-TTFT replication act. ``C_e`` is computed only when
+  ``C_h > guard_ratio x min_i L_i + guard_slack_ms`` (``C_e >= min L``, so otherwise the guard
+  cannot fire), and with explore's branch and bound cut at the threshold.
 * Explore otherwise: the engine minimising ``L_i + M_i + P_i`` (ms), where
   ``L_i`` = work routed to ``i`` (prefill of missed tokens + shared-prefix share + output
   tokens x TPOT_i), by default only the work still *outstanding* (``load="outstanding"``: a
@@ -33,7 +43,8 @@ rest (bytes).
   of the window is at least ``replicate_ttft_ratio`` x the first half.
 
 Every mechanism can be switched off for ablation (``rebalance``, ``pd_balance``,
-``prefill_term``, ``eviction_term``, ``slo_filter``; ``load=window`` for Preble's L).
+``prefill_term``, ``eviction_term``, ``slo_filter``, ``exploit_guard``; ``load=window`` for
+Preble's L).
 """
 
 from __future__ import annotations
@@ -72,6 +83,8 @@ class E2Config:
     prefill_term: bool = True  # P_i (Preble's paper has it; its released code does not)
     eviction_term: bool = True  # M_i
     slo_filter: bool = True  # skip engines that cannot meet the SLO; shed when none can
+    # exploit only while the holder costs <= ratio x explore's best (off: measured no better)
+    exploit_guard: bool = False
     # L_i over "outstanding" work (in-flight requests) or Preble's 3-minute "window"
     load: str = "outstanding"
     rebalance_ratio: float = 1.5
@@ -80,6 +93,8 @@ class E2Config:
     replicate_ttft_ratio: float = 2.0
     pd_hit_ratio: float = 0.7
     max_candidates: int = 4  # cheapest engines listed in an explore decision (plus holders)
+    guard_ratio: float = 1.5  # exploit guard: C_h > ratio x C_e + slack -> explore's winner
+    guard_slack_ms: float = 0.0
 
 
 TIE_LIMIT = 8  # equally cheap engines considered for the tie-break
@@ -143,15 +158,59 @@ class E2(PolicyBase):
                 first = rng.randrange(len(ties)) if len(ties) > 1 else 0
                 for k in range(len(ties)):
                     if ok(ev := ties[(first + k) % len(ties)]):
-                        return decide(self.name, "exploit", ev, view)
+                        return self._exploit(ev, ctx, view, now, ok, p_cache)
                 for ev in sorted(holders, key=by_load):  # rare: the lightest cannot meet the SLO
                     if ok(ev):
-                        return decide(self.name, "exploit", ev, view)
+                        return self._exploit(ev, ctx, view, now, ok, p_cache)
             best = max((m for m in matched.values() if m < best), default=0)
-        chosen = self._explore(ctx, view, now, ok, p_cache)
+        chosen = self._explore(ctx, view, now, ok, p_cache, pd_balance=cfg.pd_balance)
         if chosen is None:
             return shed(self.name, ctx, retry_after(worst[0]), "no engine can meet the SLO")
         return chosen
+
+    def _exploit(
+        self,
+        holder: EngineView,
+        ctx: RequestContext,
+        view: ClusterView,
+        now: float,
+        ok: Callable[[EngineView], bool],
+        p_cache: PrefillCache,
+    ) -> Decision:
+        """Exploit ``holder``, unless the exploit guard finds that it costs more than
+        ``guard_ratio x`` explore's best ``+ guard_slack_ms``: then explore's winner
+        (``replicate``). Explore runs only when the guard could fire (``C_e >= min L``)."""
+        cfg = self.config
+        if cfg.exploit_guard and len(view.engines) > 1:
+            ratio, slack = cfg.guard_ratio, cfg.guard_slack_ms
+            floor = ratio * next(view.by_load()).load_ms + slack  # a lower bound of the threshold
+            # C_h: P_h is memoised and M_h is priced only when the missed bytes do not fit
+            cost = holder.load_ms + self._p(holder, ctx.key_len, view, p_cache)
+            if cfg.eviction_term:
+                need = ctx.key_len - view.matched.get(holder.engine_id, 0) - holder.free_bytes
+                if need > 0:
+                    cost += view.eviction_ms(holder.engine_id, need, now)
+            if cost > floor:  # fire iff C_e < (C_h - slack) / ratio: explore stops there
+                found = self._explore(
+                    ctx,
+                    view,
+                    now,
+                    ok,
+                    p_cache,
+                    pd_balance=False,
+                    limit=(cost - slack) / ratio,
+                    reason="replicate",
+                    detail=f"guard: exploit {holder.engine_id} costs {cost:.0f} ms",
+                )
+                if found is not None and found.engine_id != holder.engine_id:
+                    return found
+        return decide(self.name, "exploit", holder, view)
+
+    def _p(self, ev: EngineView, key_len: int, view: ClusterView, p_cache: PrefillCache) -> float:
+        """P_i as explore prices it (0 without the prefill term)."""
+        if not self.config.prefill_term:
+            return 0.0
+        return prefill_cost_ms(ev, key_len, view.matched.get(ev.engine_id, 0), p_cache)
 
     def _explore(
         self,
@@ -160,11 +219,17 @@ class E2(PolicyBase):
         now: float,
         ok: Callable[[EngineView], bool],
         p_cache: PrefillCache,
+        *,
+        pd_balance: bool,
+        limit: float = float("inf"),
+        reason: Reason | None = None,
+        detail: str = "",
     ) -> Decision | None:
         """Cheapest feasible engine by L + M + P, by branch and bound: engines come cheapest
         ``L + P`` first (lazily, see :class:`_CostOrder`: only the few that could win are
         scored), and feasibility and M (>= 0) are computed only while they can still change
-        the answer."""
+        the answer. Only engines cheaper than ``limit`` count (None: none is); ``reason``
+        replaces the pool's reason in the decision."""
         cfg = self.config
         matched = view.matched
         key_len = ctx.key_len
@@ -183,7 +248,7 @@ class E2(PolicyBase):
 
         order = _CostOrder(view, key_len, p_of, p_cache if cfg.prefill_term else None)
         pools: list[tuple[Reason, Iterable[tuple[float, int, EngineView]]]] = []
-        if cfg.pd_balance:
+        if pd_balance:
             thr = cfg.pd_hit_ratio
             decode_heavy = [
                 (ev.load_ms + p_of(ev), ev.load_ms, i, ev)
@@ -194,11 +259,11 @@ class E2(PolicyBase):
                 decode_heavy.sort(key=_COST_POS)
                 pools.append(("pd_balance", [(lp, i, ev) for lp, _, i, ev in decode_heavy]))
         pools.append(("explore", order))
-        for reason, pool in pools:
+        for pool_reason, pool in pools:
             best = float("inf")
             evaluated: list[tuple[float, EngineView, float]] = []  # (total, view, M)
             for lp, _, ev in pool:
-                if lp > best or (lp == best and len(evaluated) >= TIE_LIMIT):
+                if lp > best or lp >= limit or (lp == best and len(evaluated) >= TIE_LIMIT):
                     break
                 if not ok(ev):
                     continue
@@ -207,6 +272,8 @@ class E2(PolicyBase):
                     need = key_len - get(ev.engine_id, 0) - ev.free_bytes
                     if need > 0:
                         mcost = view.eviction_ms(ev.engine_id, need, now)
+                        if lp + mcost >= limit:
+                            continue
                 evaluated.append((lp + mcost, ev, mcost))
                 best = min(best, lp + mcost)
             if not evaluated:
@@ -233,7 +300,14 @@ class E2(PolicyBase):
                         m_of.get(ev.engine_id, 0.0),
                         p_of(ev),
                     )
-            return decide(self.name, reason, chosen, view, candidates=list(cands.values()))
+            return decide(
+                self.name,
+                reason or pool_reason,
+                chosen,
+                view,
+                candidates=list(cands.values()),
+                detail=detail,
+            )
         return None
 
     def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:

@@ -391,3 +391,53 @@ def test_e2_cost_order_equals_sorting_every_engine(spec: list, prefill_term: boo
     assert [(lp, pos, e.engine_id) for lp, pos, e in order] == brute
     again = _CostOrder(view, KEY_LEN, p_of, cache if prefill_term else None)
     assert [(lp, pos, e.engine_id) for lp, pos, e in again.first(3)] == brute[:3]
+
+
+def _guard_view(holder_load: float) -> FakeView:
+    # h holds 39k of the 40k key (exploit); x is idle, y a little busier: explore's winner is x
+    return FakeView(
+        [ev("h", load=holder_load), ev("x", load=0.0), ev("y", load=500.0)],
+        matched={"h": 39_000},
+    )
+
+
+GUARD = {"exploit_guard": True, "pd_balance": False}
+
+
+def test_e2_exploit_guard_replicates_to_explore_winner_beyond_the_ratio() -> None:
+    c_e = p_ms(0)  # x: idle, nothing cached
+    c_h = 1.5 * c_e + 1.0  # just over 1.5 x C_e
+    d = make_policy("e2", GUARD).choose(ctx(), _guard_view(c_h - p_ms(39_000)), 0.0)
+    assert (d.engine_id, d.reason) == ("x", "replicate")
+    assert "h" in d.detail
+    by_id = {c.engine_id: c for c in d.candidates}
+    assert by_id["x"].total_ms == pytest.approx(c_e)
+    assert by_id["h"].matched_bytes == 39_000  # the holder is listed with its match
+    # the slack raises the threshold by as much
+    slack = make_policy("e2", {**GUARD, "guard_slack_ms": 2.0})
+    assert slack.choose(ctx(), _guard_view(c_h - p_ms(39_000)), 0.0).reason == "exploit"
+
+
+def test_e2_exploit_guard_does_not_fire_just_below_the_ratio() -> None:
+    c_h = 1.5 * p_ms(0) - 1.0
+    d = make_policy("e2", GUARD).choose(ctx(), _guard_view(c_h - p_ms(39_000)), 0.0)
+    assert (d.engine_id, d.reason) == ("h", "exploit")
+
+
+def test_e2_exploit_guard_counts_eviction_and_respects_the_switch() -> None:
+    overloaded = _guard_view(10 * p_ms(0))
+    # off (the default, and explicitly): the old behaviour, exploit however loaded the holder
+    for e2 in (make_policy("e2"), make_policy("e2", {**GUARD, "exploit_guard": False})):
+        d = e2.choose(ctx(), overloaded, 0.0)
+        assert (d.engine_id, d.reason) == ("h", "exploit")
+    # the winner must beat the threshold including its M: x would evict hot prefixes, y wins
+    view = FakeView(
+        [ev("h", load=10 * p_ms(0)), ev("x", load=0.0, free=0), ev("y", load=500.0)],
+        matched={"h": 39_000},
+        evictions={"x": 1e9},
+    )
+    d = make_policy("e2", GUARD).choose(ctx(), view, 0.0)
+    assert (d.engine_id, d.reason) == ("y", "replicate")
+    # every other engine infeasible or too dear: exploit as before
+    view.engines[2] = replace(view.engines[2], load_ms=20 * p_ms(0))
+    assert make_policy("e2", GUARD).choose(ctx(), view, 0.0).reason == "exploit"
