@@ -35,6 +35,14 @@ PURE_MODULES = [
     "bench/metrics.py",
     "bench/workloads/request.py",
     "bench/workloads/transform.py",
+    "gateway/pool.py",
+    "gateway/config.py",
+    "kvgate/stats.py",
+    "engine_reporter/vllm/wire.py",
+    "engine_reporter/vllm/tokens.py",
+    "engine_reporter/vllm/translate.py",
+    "engine_reporter/vllm/sequence.py",
+    "engine_reporter/vllm/metrics.py",
 ]
 # Whole packages whose every module is pure.
 PURE_PACKAGES = ["engine/scheduler", "router/policies"]
