@@ -117,6 +117,13 @@ class _LoadState:
     last_hb: LoadHeartbeat | None = None
     last_hb_at: float = -1e18
     start_time: float | None = None
+    # When the event stream already showed a restart (sequence back to 0), the new process
+    # start time that /metrics reports next is the same restart, not another one: resetting
+    # again would wipe what the new process has announced since.
+    restart_from_events_at: float | None = None
+
+
+RESTART_MATCH_S = 30.0  # how long an event-detected restart explains a new start time
 
 
 class VllmBridge:
@@ -240,7 +247,8 @@ class VllmBridge:
                 self.config.engine_id,
                 msg.seq,
             )
-            await self._reset("vLLM restarted")
+            self._load.restart_from_events_at = time.monotonic()  # before the await: the
+            await self._reset("vLLM restarted")  # metrics task may scrape meanwhile
         if verdict.kind in ("fill", "restart") and msg.seq > 0:
             if self.tracker.expected is not None:
                 self.stats.gaps += 1
@@ -402,11 +410,14 @@ class VllmBridge:
         if load.process_start_time is not None:
             self._load.start_time = load.process_start_time
         if previous_start is not None and load.process_start_time not in (None, previous_start):
-            self.stats.restarts += 1
-            log.warning("bridge %s: vLLM process restarted", cfg.engine_id)
-            async with self._lock:
-                await self._reset("vLLM process restarted")
-                self.tracker.reset()
+            seen_at = self._load.restart_from_events_at
+            self._load.restart_from_events_at = None
+            if seen_at is None or time.monotonic() - seen_at > RESTART_MATCH_S:
+                self.stats.restarts += 1
+                log.warning("bridge %s: vLLM process restarted", cfg.engine_id)
+                async with self._lock:
+                    await self._reset("vLLM process restarted")
+                    self.tracker.reset()
         hb = build_heartbeat(
             load,
             url=base,
