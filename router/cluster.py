@@ -474,6 +474,9 @@ class Cluster:
             if mv.kind == "replicate":
                 reps, _ = self._replicas.get(mv.group, (frozenset((mv.src,)), 0.0))
                 self._replicas[mv.group] = (reps | {mv.src, mv.dst}, until)
+                # the replicas take over from an earlier move (whose target is ``src`` or had
+                # no load here): an override would send every request to one copy
+                self._overrides.pop(mv.group, None)
                 self.replications += 1
                 continue
             src, dst = self.engines.get(mv.src), self.engines.get(mv.dst)

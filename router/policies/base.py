@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Literal, Protocol
 
 from broker.events import LoadHeartbeat
@@ -193,13 +192,14 @@ def pick_min(
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
 
 
-_VALUE = itemgetter(1)
+def _most_then_id(item: tuple[str, int]) -> tuple[int, str]:
+    return (-item[1], item[0])
 
 
 def top_matched(matched: Mapping[str, int], k: int) -> list[tuple[str, int]]:
-    """The ``k`` engines holding the most of the key, as ``heapq.nlargest`` orders them (that
-    is ``sorted(reverse=True)[:k]``; a C sort beats nlargest's Python loop at these sizes)."""
-    return sorted(matched.items(), key=_VALUE, reverse=True)[:k]
+    """The ``k`` engines holding the most of the key, most first; equal lengths by engine id
+    (``matched``'s own order follows the tree's sets, which changes with ``PYTHONHASHSEED``)."""
+    return sorted(matched.items(), key=_most_then_id)[:k]
 
 
 def by_load(ev: EngineView) -> tuple[float, int]:
@@ -225,9 +225,7 @@ def decide(
     the key (at most ``MAX_LISTED``) and the chosen one are listed with their matched bytes."""
     if not candidates:
         matched = view.matched
-        items = matched.items()
-        if len(matched) > MAX_LISTED:
-            items = top_matched(matched, MAX_LISTED)
+        items = top_matched(matched, MAX_LISTED)  # (sorted: matched's order is not stable)
         candidates = [Candidate(e, m) for e, m in items if m > 0]
         if not any(c.engine_id == chosen.engine_id for c in candidates):
             candidates.append(Candidate(chosen.engine_id, matched.get(chosen.engine_id, 0)))

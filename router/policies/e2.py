@@ -53,7 +53,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from heapq import heappop, heappush
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from router.api import Candidate, Decision, Reason
 from router.policies.base import (
@@ -102,6 +102,7 @@ FLOOR_TERMS = 16  # most (profile, matched length) pairs priced for P's lower bo
 P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
 EXPLICIT_CLASS = 4  # a matched length held by at most this many engines: score them up front
 _COST_POS = itemgetter(0, 1, 2)
+_POSITION = attrgetter("position")
 
 
 class E2(PolicyBase):
@@ -152,6 +153,9 @@ class E2(PolicyBase):
                 ev for e, m in matched.items() if m == best and (ev := view.engine(e)) is not None
             ]
             if holders:
+                # matched's order follows the tree's sets (string hashes: it changes with
+                # PYTHONHASHSEED), so the holders go in registration order before the rng picks
+                holders.sort(key=_POSITION)
                 # the least-loaded feasible holder (equal loads: a random one of them)
                 lightest = min(by_load(ev) for ev in holders)
                 ties = [ev for ev in holders if by_load(ev) == lightest]
@@ -334,14 +338,23 @@ class E2(PolicyBase):
         for g in view.groups_on(busiest.engine_id):
             if hi < cfg.rebalance_ratio * lo:
                 break
-            if g.requests < cfg.min_group_requests or view.override(g.group) is not None:
+            if g.requests < cfg.min_group_requests:
                 continue
-            if g.load_ms >= hi - lo:  # moving it would only swap the roles: a hot prefix
+            # a group moved here earlier may move on (else the target of a move can only pile
+            # up: its moved groups were pinned to it for the whole window); one moved elsewhere
+            # left only history here
+            target = view.override(g.group)
+            if target is not None and target != busiest.engine_id:
+                continue
+            reps = view.replicas(g.group)
+            # too heavy to move (moving it would only swap the roles), or already replicated
+            # (moving one copy would pin every replica's traffic to one engine): a hot prefix
+            if g.load_ms >= hi - lo or reps:
                 first, second = view.ttft_halves(g.group, now)
                 if (
                     first > 0.0
                     and second >= cfg.replicate_ttft_ratio * first
-                    and least.engine_id not in view.replicas(g.group)
+                    and least.engine_id not in reps
                 ):
                     moves.append(Move(g.group, busiest.engine_id, least.engine_id, "replicate"))
                 continue

@@ -22,6 +22,7 @@ from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.cluster import ClusterConfig
 from router.core import Router, RouterConfig
+from router.policies.base import Move
 
 BLOCK = 64
 
@@ -253,3 +254,18 @@ def test_state_is_json_ready_and_counts_decisions() -> None:
     assert st["tree"]["bytes"] >= len(PROMPT)
     assert st["hits"]["routed_matched_bytes"] == len(PROMPT)
     assert {"policy": "e2", "reason": "exploit", "count": 1} in st["decisions"]
+
+
+def test_replicating_a_moved_group_ends_its_override() -> None:
+    # a group moved to e1 and later replicated (e1 -> e2): the override used to outlive the
+    # replication and keep sending every request of the hot group to e1 alone
+    fleet = Fleet(3)
+    router = fleet.router
+    key = b"p" * 4096
+    group = router.cluster.group_of(key)
+    router.cluster.apply_moves([Move(group, "e0", "e1")], 1.0)
+    req = RouteRequest("r1", "m", key, 1024, 8)
+    assert router.route(req, 1.0).reason == "rebalance"
+    router.cluster.apply_moves([Move(group, "e1", "e2", "replicate")], 2.0)
+    d = router.route(RouteRequest("r2", "m", key, 1024, 8), 2.0)
+    assert d.reason == "replicate" and d.engine_id == "e2"  # e1 has r1 in flight: e2 is lighter

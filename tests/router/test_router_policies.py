@@ -247,6 +247,34 @@ def test_e2_replicates_a_hot_prefix_only_when_ttft_doubled() -> None:
     assert make_policy("e2").rebalance(ctx(), hot, 0.0) == ()
 
 
+def test_e2_moves_a_moved_group_on_when_its_target_became_the_busiest() -> None:
+    # group 31 was moved to "b" earlier; "b" is now the busiest: the group may move on (it used
+    # to be skipped while its override lasted, so "b" kept every request of it for the window)
+    view = FakeView(
+        [ev("a", load=200.0), ev("b", load=1000.0), ev("c", load=100.0)],
+        overrides={31: "b", 32: "a"},
+        groups={"b": [GroupLoad(32, 500.0, 9), GroupLoad(31, 400.0, 9)]},
+    )
+    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    # 32 was moved on to "a" already: only history is left on "b"
+    assert [(m.kind, m.group, m.src, m.dst) for m in moves] == [("move", 31, "b", "c")]
+
+
+def test_e2_does_not_move_a_replicated_group() -> None:
+    # a replicated hot group on the busiest engine: moving one copy would pin every replica's
+    # traffic to the least busy engine (the override wins over the replicas)
+    view = FakeView(
+        [ev("a", load=1000.0), ev("b", load=600.0), ev("c", load=100.0)],
+        reps={41: frozenset({"a", "b"})},
+        groups={"a": [GroupLoad(41, 300.0, 20), GroupLoad(42, 200.0, 5)]},
+    )
+    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    assert [(m.kind, m.group) for m in moves] == [("move", 42)]
+    view.halves[41] = (100.0, 250.0)  # its TTFT doubled: one more replica instead
+    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    assert [(m.kind, m.group, m.dst) for m in moves] == [("replicate", 41, "c"), ("move", 42, "c")]
+
+
 def test_e2_follows_overrides_and_replicas() -> None:
     engines = [ev("a", load=0.0), ev("b", load=50.0), ev("c", load=20.0)]
     view = FakeView(engines, matched={"a": 39_000}, overrides={1: "b"})
