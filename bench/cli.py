@@ -24,7 +24,7 @@ import orjson
 
 from bench.workloads import WORKLOADS, WorkloadOptions
 
-RESULTS = Path("bench/results")
+RESULTS = Path("bench/results/tmp")  # git-ignored; pass --out for results to keep
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -73,6 +73,9 @@ def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake")
     g.add_argument(
         "--keep", type=float, default=1.0, help="thin the window to this fraction (by request id)"
     )
+    g.add_argument(
+        "--spread", type=float, default=0.0, help="spread same-timestamp requests over N s"
+    )
     g.add_argument("--rate", type=float, default=4.0, help="synthetic workloads: requests/s")
     g.add_argument("--cv", type=float, default=1.0, help="synthetic: inter-arrival CV (1=Poisson)")
     g.add_argument("--seed", type=int, default=0)
@@ -97,6 +100,7 @@ def _workload_options(args: argparse.Namespace, rate_scale: float = 1.0) -> Work
         model=args.model,
         cv=args.cv,
         keep=args.keep,
+        spread=args.spread,
     )
 
 
@@ -110,6 +114,10 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
     g.add_argument("--link-jitter", type=float, default=0.0, help="extra uniform delay, s")
     g.add_argument("--network-delay", type=float, default=0.0005, help="gateway -> engine, s")
     g.add_argument("--heartbeat", type=float, default=1.0, help="engine heartbeat period, s")
+    g.add_argument("--ingress-ms", type=float, default=0.0, help="client -> router, fixed ms")
+    g.add_argument(
+        "--ingress-ms-per-mb", type=float, default=0.0, help="client -> router, ms per MB of key"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +167,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     p.add_argument("--no-progress", action="store_true")
     # a 10-minute window, a quarter of its requests: 4 engines carry what 16 carry at full rate
-    p.set_defaults(start=600.0, duration=600.0, keep=0.25, heartbeat=0.2)
+    # ingress: measured on the development machine from a live run (live minus simulated TTFT
+    # of the same requests on the same engine: 6.5 ms + 27 ms per MB of prompt); the per-MB part
+    # is the request body's (transfer, JSON, hashing), the fixed part is split with the response
+    p.set_defaults(
+        start=600.0, duration=600.0, keep=0.25, spread=1.0, heartbeat=0.2, ingress_ms=3.0,
+        ingress_ms_per_mb=27.0,
+    )  # fmt: skip
 
     p = sub.add_parser("report", help="Markdown tables and PNG plots from result JSONs")
     p.add_argument("--inputs", type=Path, nargs="+", required=True)
@@ -226,6 +240,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
             network_delay_s=args.network_delay,
             heartbeat_s=args.heartbeat,
             seed=args.seed,
+            ingress_s=args.ingress_ms / 1000.0,
+            ingress_s_per_mb=args.ingress_ms_per_mb / 1000.0,
         ),
         seed=args.seed,
     )

@@ -40,7 +40,7 @@ class FidelitySpec:
 
     workload: str = "mooncake"
     options: WorkloadOptions = field(
-        default_factory=lambda: WorkloadOptions(start=600.0, duration=600.0, keep=0.25)
+        default_factory=lambda: WorkloadOptions(start=600.0, duration=600.0, keep=0.25, spread=1.0)
     )
     policy: str = "e2"
     scheduler: str = "slo"
@@ -88,6 +88,7 @@ async def run_live(
     broker = MemoryBroker()
     runners = []
     try:
+        urls = []
         for eid in engine_ids(sim.engines):
             cfg = EngineServerConfig(
                 engine_id=eid,
@@ -96,9 +97,16 @@ async def run_live(
                 policy=spec.scheduler,
                 heartbeat_s=sim.link.heartbeat_s,
             )
-            runner, _url = await serve_engine(cfg, broker)
+            runner, url = await serve_engine(cfg, broker)
             runners.append(runner)
+            urls.append((eid, url))
         router = make_router(spec.policy, random.Random(f"router:{sim.seed}"))
+        if sim.static_engines:
+            # as the simulator does: the same engines in the same order, so the policies'
+            # iteration order and seeded tie-breaks match (not heartbeat arrival order)
+            profile_name = load_profile(sim.profile).name
+            for eid, url in urls:
+                router.add_static_engine(eid, url, (model,), profile=profile_name)
         service = EmbeddedRouter(router, broker)
         await service.start()
         try:

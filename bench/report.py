@@ -131,20 +131,25 @@ def runs_table(runs: Sequence[Run]) -> str:
 def fidelity_table(records: Sequence[dict]) -> str:
     rows = []
     for f in records:
-        for q in ("p50", "p99"):
-            live = f["live"]["ttft_ms"][q]
-            sim = f["sim"]["ttft_ms"][q]
-            err = f["error"][f"ttft_{q}"]
-            rows.append(
-                [
-                    f.get("label", "fidelity"),
-                    f"TTFT {q}",
-                    _fmt(live, 1),
-                    _fmt(sim, 1),
-                    "-" if err is None else f"{100 * err:+.1f}%",
-                    "yes" if err is not None and abs(err) <= f.get("tolerance", 0.1) else "NO",
-                ]
-            )
+        tol = f.get("tolerance", 0.1)
+        sources = [("", f["live"]["ttft_ms"], f["sim"]["ttft_ms"], f["error"])]
+        common = f.get("common")
+        if common:
+            label = f" (the {common['requests']} requests OK in both)"
+            sources.append((label, common["live"], common["sim"], common["error"]))
+        for suffix, live, sim, errs in sources:
+            for q in ("p50", "p99"):
+                err = errs[f"ttft_{q}"]
+                rows.append(
+                    [
+                        f.get("label", "fidelity"),
+                        f"TTFT {q}{suffix}",
+                        _fmt(live[q], 1),
+                        _fmt(sim[q], 1),
+                        "-" if err is None else f"{100 * err:+.1f}%",
+                        "yes" if err is not None and abs(err) <= tol else "NO",
+                    ]
+                )
     return _table(["run", "metric", "live ms", "sim ms", "sim vs live", "within 10%"], rows)
 
 
@@ -165,7 +170,17 @@ def _default_of(runs: Sequence[Run], attr: str, preferred: str) -> str | None:
 
 
 def plot(runs: Sequence[Run], out_dir: Path, prefix: str = "") -> list[Path]:
-    """PNG plots (see the module docstring); returns the files written."""
+    """PNG plots per workload (see the module docstring); returns the files written."""
+    written: list[Path] = []
+    for wl in sorted({r.workload for r in runs}):
+        name = Path(wl).stem.replace(" ", "_")
+        written += _plot_workload(
+            [r for r in runs if r.workload == wl], out_dir, f"{prefix}{name}_"
+        )
+    return written
+
+
+def _plot_workload(runs: Sequence[Run], out_dir: Path, prefix: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,7 +215,7 @@ def plot(runs: Sequence[Run], out_dir: Path, prefix: str = "") -> list[Path]:
             if name == "policies"
             else (f"local schedulers (policy {pol})")
         )
-        fig.suptitle(title)
+        fig.suptitle(f"{runs[0].workload}: {title}")
         for ax in axes:
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
@@ -230,7 +245,7 @@ def plot(runs: Sequence[Run], out_dir: Path, prefix: str = "") -> list[Path]:
         for ax in axes:
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"cache reuse and load spread (scheduler {sched})")
+        fig.suptitle(f"{runs[0].workload}: cache reuse and load spread (scheduler {sched})")
         fig.tight_layout()
         path = out_dir / f"{prefix}policies_hit_spread.png"
         fig.savefig(path, dpi=110)

@@ -203,6 +203,8 @@ def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Requ
         prof = Path(spec.profile_dir) / f"{safe}-{sch}-x{rate:g}.prof"
     t0 = time.perf_counter()
     result = run_one(reqs, pol, sch, spec.sim, rate_scale=rate, profile_path=prof)
+    if prof is not None:
+        result["profile"] = profile_breakdown(prof)
     s = result["summary"]
     print(
         f"sim: {pol:<28} {sch:<7} x{rate:<5g} {len(reqs):>6} req  "
@@ -229,8 +231,10 @@ def _worker_cell(cell: tuple[str, str, float]) -> dict:
 
 
 def _init_worker(spec: SweepSpec) -> None:
+    """A forked worker inherits the parent's workload; a spawned one rebuilds it once."""
     global _WORKER_SPEC, _WORKER_REQS
-    _WORKER_SPEC, _WORKER_REQS = spec, None
+    if spec != _WORKER_SPEC:
+        _WORKER_SPEC, _WORKER_REQS = spec, None
 
 
 def sweep(spec: SweepSpec, *, jobs: int = 1) -> dict:
@@ -239,10 +243,15 @@ def sweep(spec: SweepSpec, *, jobs: int = 1) -> dict:
     requests = _workload(spec)
     cells = _cells(spec)
     if jobs > 1 and len(cells) > 1:
-        with ProcessPoolExecutor(
-            max_workers=min(jobs, len(cells)), initializer=_init_worker, initargs=(spec,)
-        ) as pool:
-            runs = list(pool.map(_worker_cell, cells))
+        global _WORKER_SPEC, _WORKER_REQS
+        _WORKER_SPEC, _WORKER_REQS = spec, requests
+        try:
+            with ProcessPoolExecutor(
+                max_workers=min(jobs, len(cells)), initializer=_init_worker, initargs=(spec,)
+            ) as pool:
+                runs = list(pool.map(_worker_cell, cells))
+        finally:
+            _WORKER_SPEC, _WORKER_REQS = None, None
     else:
         runs = [_run_cell(spec, c, requests) for c in cells]
     return {
@@ -259,11 +268,31 @@ def sweep(spec: SweepSpec, *, jobs: int = 1) -> dict:
     }
 
 
-def top_functions(profile_path: Path, n: int = 15) -> list[tuple[str, float, float, int]]:
-    """(function, own seconds, cumulative seconds, calls) of the costliest functions."""
+def profile_breakdown(profile_path: Path, top: int = 12) -> dict:
+    """Where a profiled run spent its time: own seconds per top-level package (bench, engine,
+    router, ...) and the costliest functions, so hot spots can be reported to their owners."""
     stats = pstats.Stats(str(profile_path))
+    by_package: dict[str, float] = {}
     rows = []
-    for (file, line, fn), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append((f"{Path(file).name}:{line}:{fn}", tt, ct, nc))
+    root = str(Path(__file__).resolve().parents[2]) + "/"
+    for (file, line, fn), (_cc, calls, own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if file.startswith(root):
+            rel = file[len(root) :]
+            package = rel.split("/", 1)[0]
+        else:
+            rel = file
+            package = "builtins" if file == "~" else "stdlib/other"
+        by_package[package] = by_package.get(package, 0.0) + own
+        rows.append((f"{rel}:{line}:{fn}", own, cum, calls))
     rows.sort(key=lambda r: -r[1])
-    return rows[:n]
+    total = sum(by_package.values()) or 1.0
+    return {
+        "total_s": round(total, 3),
+        "own_s_by_package": {
+            k: round(v, 3) for k, v in sorted(by_package.items(), key=lambda kv: -kv[1])
+        },
+        "top_functions": [
+            {"function": f, "own_s": round(o, 3), "cum_s": round(c, 3), "calls": n}
+            for f, o, c, n in rows[:top]
+        ],
+    }

@@ -4,8 +4,9 @@ Nothing here models routing or scheduling: the world drives the very objects the
 run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock of
 :class:`bench.sim.loop.EventLoop`, and only models what sits between them:
 
-* a client request reaches the router at its arrival time (``ARRIVAL``) and is routed at once;
-  a shed decision is a 429 for the client;
+* a client request reaches the router ``ingress_s + ingress_s_per_mb x MB of key`` after its
+  arrival (``ARRIVAL``; both 0 by default) and is routed at once; a shed decision is a 429;
+  latencies count from the arrival;
 * a routed request reaches its engine ``network_delay_s`` later (``SUBMIT``), as the gateway's
   HTTP call would;
 * each engine's step ends are ``ENGINE_WAKE`` events at :meth:`EngineCore.next_event_time`
@@ -70,9 +71,19 @@ class LinkConfig:
     network_delay_s: float = 0.0005  # gateway -> engine request
     heartbeat_s: float = 1.0
     seed: int = 0
+    # client -> router: the body's transfer and parsing before the routing decision; a big
+    # prompt is routed later than a small one sent at the same instant, as over HTTP
+    ingress_s: float = 0.0
+    ingress_s_per_mb: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("link_delay_s", "link_jitter_s", "network_delay_s"):
+        for name in (
+            "link_delay_s",
+            "link_jitter_s",
+            "network_delay_s",
+            "ingress_s",
+            "ingress_s_per_mb",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not self.heartbeat_s > 0:
@@ -166,8 +177,10 @@ class World:
         """
         if not requests:
             return
+        fixed, per_byte = self.link.ingress_s, self.link.ingress_s_per_mb / 1e6
         for req in requests:
-            self.loop.schedule(req.arrival, Kind.ARRIVAL, req)
+            at = req.arrival + fixed + per_byte * req.key_len if fixed or per_byte else req.arrival
+            self.loop.schedule(at, Kind.ARRIVAL, req)
         last = requests[-1].arrival
         self._horizon = last
         for slot in self.slots:

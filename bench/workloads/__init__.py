@@ -2,7 +2,8 @@
 
 :func:`build_workload` is the one entry point (CLI, simulator, fidelity run): a workload name
 (or a trace path) and :class:`WorkloadOptions` give a seeded, arrival-sorted list of
-:class:`Request`. The order of operations is fixed: load or generate, take the window
+:class:`Request`. The order of operations is fixed: load or generate, spread
+timestamp ties over ``spread`` seconds, take the window
 ``[start, start + duration)`` in trace time, keep a ``keep`` fraction of it (by request id),
 compress time by ``rate_scale``, keep at most ``max_requests``, then assign SLOs.
 """
@@ -30,6 +31,7 @@ from bench.workloads.transform import (
     merge,
     parse_slo_spec,
     scale_rate,
+    spread_ties,
     thin,
     window,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "parse_slo_spec",
     "scale_rate",
     "segment_bytes",
+    "spread_ties",
     "thin",
     "tokens_for_bytes",
     "window",
@@ -71,6 +74,7 @@ class WorkloadOptions:
     model: str = DEFAULT_MODEL
     cv: float = 1.0
     keep: float = 1.0  # thin the window to this fraction of its requests (by request id)
+    spread: float = 0.0  # spread requests sharing a timestamp over this many seconds
 
 
 SYNTHETIC_DURATION_S = 600.0
@@ -151,6 +155,7 @@ def build_workload(
         else:
             known = ", ".join(WORKLOADS)
             raise ValueError(f"unknown workload {name!r}: one of {known}, or a .jsonl/.csv trace")
+    reqs = spread_ties(reqs, opts.spread)
     reqs = window(reqs, opts.start, opts.duration)
     reqs = thin(reqs, opts.keep, opts.seed)
     reqs = scale_rate(reqs, opts.rate_scale)

@@ -39,6 +39,34 @@ def limit(requests: Sequence[Request], max_requests: int | None) -> list[Request
     return list(requests if max_requests is None else requests[:max_requests])
 
 
+def spread_ties(requests: Sequence[Request], width: float) -> list[Request]:
+    """Spread requests that share an arrival time evenly over ``[t, t + width)``, in order.
+
+    Mooncake's timestamps have one-second granularity (every request shares its second with
+    others): replayed as is, each second is a burst whose order over HTTP is a coin toss, so a
+    live run and a simulation see different orders. Spreading keeps the per-second rate and
+    gives the ties a deterministic order at least ``width / n`` apart.
+    """
+    if width <= 0:
+        return list(requests)
+    out: list[Request] = []
+    i = 0
+    n = len(requests)
+    while i < n:
+        j = i
+        t = requests[i].arrival
+        while j < n and requests[j].arrival == t:
+            j += 1
+        k = j - i
+        if k == 1:
+            out.append(requests[i])
+        else:
+            out.extend(r.with_(arrival=t + width * m / k) for m, r in enumerate(requests[i:j]))
+        i = j
+    out.sort(key=lambda r: r.arrival)
+    return out
+
+
 def thin(requests: Sequence[Request], keep: float, seed: int = 0) -> list[Request]:
     """Keep each request with probability ``keep``, decided by a hash of its id and ``seed``
     (so the same requests survive whatever else changes): less load, same time structure."""

@@ -32,8 +32,8 @@ def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
     report = tmp_path / "rep.md"
     assert main(["bench", "report", "--inputs", str(out), "--out", str(report)]) == 0
     text = report.read_text()
-    assert "e2-no-rebalance" in text and "rep_policies_slo_ttft.png" in text
-    assert (tmp_path / "rep_policies_slo_ttft.png").exists()
+    assert "e2-no-rebalance" in text and "rep_tool_use_policies_slo_ttft.png" in text
+    assert (tmp_path / "rep_tool_use_policies_slo_ttft.png").exists()
 
 
 def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
@@ -52,3 +52,20 @@ def test_workloads_verb(capsys) -> None:
     assert main(["bench", "workloads", "programming", "--rate", "2", "--duration", "30"]) == 0
     shape = orjson.loads(capsys.readouterr().out)
     assert 30 <= shape["requests"] <= 100
+
+
+def test_cprofile_breakdown_names_the_packages(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    rc = main(
+        [
+            "bench", "sim", "--trace", "programming", "--rate", "4", "--duration", "5",
+            "--engines", "2", "--policies", "e2", "--cprofile", str(tmp_path / "prof"),
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    (run,) = orjson.loads(out.read_bytes())["runs"]
+    packages = run["profile"]["own_s_by_package"]
+    assert {"bench", "engine", "router"} <= set(packages)
+    assert run["profile"]["top_functions"]
+    assert list((tmp_path / "prof").glob("*.prof"))

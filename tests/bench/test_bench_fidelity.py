@@ -50,3 +50,20 @@ async def test_live_and_simulated_runs_agree_on_a_small_slice() -> None:
     assert s["prefix_hit_rate"] == live["prefix_hit_rate"] and s["prefix_hit_rate"] > 0
     assert s["ttft_ms"]["p50"] <= live["ttft_ms"]["p50"] * 1.02
     assert relative_error(110.0, 100.0) == 0.1 and relative_error(None, 1.0) is None
+
+
+def test_common_ttft_compares_the_same_requests() -> None:
+    from bench.fidelity import common_ttft
+    from bench.metrics import RequestRecord
+
+    def rec(rid: str, ttft: float | None, status: int = 200, engine: str = "a") -> RequestRecord:
+        return RequestRecord(rid, "k", 0.0, 10, 2, 1e6, 1e6, status=status, engine=engine,
+                             ttft_s=ttft)  # fmt: skip
+
+    live = [rec("x", 1.0), rec("y", 2.0), rec("z", None, 429)]
+    sim = [rec("x", 1.1), rec("y", 2.2, engine="b"), rec("z", 9.0)]
+    out = common_ttft(live, sim)
+    assert out["requests"] == 2  # z failed live: left out of both sides
+    assert out["live"]["p50"] == 1500.0 and out["sim"]["p50"] == 1650.0
+    assert out["error"]["ttft_p50"] == 0.1
+    assert out["same_engine_share"] == 0.6667  # x and z went to the same engine both ways

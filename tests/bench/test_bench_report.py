@@ -104,9 +104,9 @@ def test_report_tables_and_plots(tmp_path: Path) -> None:
     assert "+4.0%" in text and "+15.0%" in text and "NO" in text
     names = sorted(p.name for p in images)
     assert names == [
-        "report_policies_hit_spread.png",
-        "report_policies_slo_ttft.png",
-        "report_schedulers_slo_ttft.png",
+        "report_tiny_policies_hit_spread.png",
+        "report_tiny_policies_slo_ttft.png",
+        "report_tiny_schedulers_slo_ttft.png",
     ]
     for p in images:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000

@@ -148,3 +148,23 @@ def test_sweep_runs_every_cell_on_a_small_workload() -> None:
         assert r["sim"]["route_calls"] == r["summary"]["requests"]
     rr = next(r for r in doc["runs"] if r["policy"] == "round_robin")
     assert rr["summary"]["load_spread_requests"]["max_over_mean"] <= 1.05
+
+
+def test_ingress_delays_routing_by_body_size() -> None:
+    """Two requests at the same instant: with an ingress cost per MB, the small one is routed
+    first (as over HTTP), and both latencies still count from the arrival."""
+    big, small = _req("big", 1.0, 400_000, 2, seed=1), _req("small", 1.0, 4_000, 2, seed=2)
+    world = build_world(
+        "round_robin",
+        "slo",
+        SimConfig(engines=2, link=LinkConfig(ingress_s=0.003, ingress_s_per_mb=0.027)),
+    )
+    world.run([big, small])
+    by_id = {r.request_id: r for r in world.records}
+    assert by_id["small"].engine == "e00" and by_id["big"].engine == "e01"
+    assert by_id["small"].ttft_s == pytest.approx(
+        0.003 + 0.004 * 0.027 + 0.0005 + PROFILE.prefill_ms(1000) / 1000, rel=1e-9
+    )
+    plain = _world("round_robin", engines=2)
+    plain.run([big, small])
+    assert [r.engine for r in plain.records] == ["e00", "e01"]  # trace order without ingress

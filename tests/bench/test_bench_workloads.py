@@ -223,3 +223,33 @@ def test_request_validation() -> None:
         Request("x", 0.0, (*turn, *turn), 3, 1)  # a completion has one prompt
     with pytest.raises(ValueError):
         build_workload("nope")
+
+
+def test_thin_keeps_a_stable_fraction_by_request_id() -> None:
+    from bench.workloads import thin
+
+    reqs = build_workload("azure", WorkloadOptions(slo="keep"))[:4000]
+    kept = thin(reqs, 0.25, seed=0)
+    assert 0.22 * len(reqs) < len(kept) < 0.28 * len(reqs)
+    assert {r.request_id for r in thin(reqs[:2000], 0.25)} == {
+        r.request_id for r in kept if r.request_id in {q.request_id for q in reqs[:2000]}
+    }
+    assert thin(reqs, 1.0) == reqs
+    with pytest.raises(ValueError):
+        thin(reqs, 0)
+
+
+def test_spread_ties_orders_simultaneous_requests() -> None:
+    from bench.workloads import spread_ties
+
+    reqs = build_workload("mooncake", WorkloadOptions(duration=30, slo="keep"))
+    assert len({r.arrival for r in reqs}) < len(reqs)  # the trace has one-second ties
+    spread = spread_ties(reqs, 1.0)
+    assert len({r.arrival for r in spread}) == len(spread)
+    assert sorted(r.request_id for r in spread) == sorted(r.request_id for r in reqs)
+    by_id = {r.request_id: r.arrival for r in reqs}
+    assert all(0 <= r.arrival - by_id[r.request_id] < 1.0 for r in spread)
+    same_second = [r for r in reqs if r.arrival == reqs[0].arrival]
+    ids = [r.request_id for r in spread if r.request_id in {q.request_id for q in same_second}]
+    assert ids == [r.request_id for r in same_second]  # ties keep their trace order
+    assert spread_ties(reqs, 0) == reqs
