@@ -17,8 +17,12 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvgate.stats import percentile
+
+if TYPE_CHECKING:
+    from bench.workloads.request import Request
 
 STATUS_OK = 200
 STATUS_SHED = 429  # shed by the router or rejected by the engine (SLO cannot be met)
@@ -64,6 +68,20 @@ class RequestRecord:
         out = asdict(self)
         out["slo_met"] = self.slo_met
         return out
+
+    @classmethod
+    def for_request(cls, req: Request, **fields: object) -> RequestRecord:
+        """A record for ``req`` before anything happened to it (replay and simulator alike)."""
+        return cls(
+            request_id=req.request_id,
+            kind=req.kind,
+            arrival=req.arrival,
+            input_tokens=req.input_tokens,
+            output_tokens=req.output_tokens,
+            slo_ttft_ms=req.slo.ttft_ms,
+            slo_tpot_ms=req.slo.tpot_ms,
+            **fields,  # type: ignore[arg-type]
+        )
 
 
 def _pcts(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:

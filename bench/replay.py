@@ -131,16 +131,7 @@ async def send_one(
     ``scheduled`` is the clock value the request was due at: TTFT and e2e count from it, so
     a client falling behind shows up as latency rather than hiding it.
     """
-    rec = RequestRecord(
-        request_id=req.request_id,
-        kind=req.kind,
-        arrival=req.arrival,
-        input_tokens=req.input_tokens,
-        output_tokens=req.output_tokens,
-        slo_ttft_ms=req.slo.ttft_ms,
-        slo_tpot_ms=req.slo.tpot_ms,
-        prompt_tokens=req.input_tokens,
-    )
+    rec = RequestRecord.for_request(req, prompt_tokens=req.input_tokens)
     body = req.body(
         model=cfg.model, stream=cfg.stream, hint=cfg.send_hint, ignore_eos=cfg.ignore_eos
     )
@@ -250,16 +241,7 @@ class _Progress:
 
 
 def _dropped(req: Request, why: str) -> RequestRecord:
-    return RequestRecord(
-        request_id=req.request_id,
-        kind=req.kind,
-        arrival=req.arrival,
-        input_tokens=req.input_tokens,
-        output_tokens=req.output_tokens,
-        slo_ttft_ms=req.slo.ttft_ms,
-        slo_tpot_ms=req.slo.tpot_ms,
-        error=why,
-    )
+    return RequestRecord.for_request(req, error=why)
 
 
 async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult:

@@ -198,16 +198,7 @@ class World:
     # ------------------------------------------------------------------ handlers
 
     def _record(self, req: Request) -> RequestRecord:
-        return RequestRecord(
-            request_id=req.request_id,
-            kind=req.kind,
-            arrival=req.arrival,
-            input_tokens=req.input_tokens,
-            output_tokens=req.output_tokens,
-            slo_ttft_ms=req.slo.ttft_ms,
-            slo_tpot_ms=req.slo.tpot_ms,
-            prompt_tokens=req.input_tokens,
-        )
+        return RequestRecord.for_request(req, prompt_tokens=req.input_tokens)
 
     def _on_arrival(self, req: Request, now: float) -> None:
         rec = self._record(req)
