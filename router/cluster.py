@@ -219,6 +219,11 @@ class Cluster:
 
     # ------------------------------------------------------------------ engines
 
+    @property
+    def inflight_count(self) -> int:
+        """Requests routed and not yet finished, rejected or timed out."""
+        return len(self._inflight)
+
     def _engine(self, engine_id: str) -> _Engine:
         eng = self.engines.get(engine_id)
         if eng is None:

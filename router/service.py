@@ -127,7 +127,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvgate_router_inflight",
             "Requests routed and not finished",
-            len(router.cluster._inflight),
+            router.cluster.inflight_count,
         )
         engines = GaugeMetricFamily("kvgate_router_engines", "Engines by state", labels=["state"])
         infos = router.engines(now)
