@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.cli", "trace replay, cluster simulation and reports"),
     "bridge": ("engine_reporter.vllm.cli", "bridge a real engine's KV events into kvgate"),
     "up": ("deploy.fleet", "run the distributed topology locally as separate processes"),
+    "native": ("kvgate.native", "build, check or remove the optional compiled router (mypyc)"),
 }
 
 

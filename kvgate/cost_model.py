@@ -31,13 +31,16 @@ bytes_per_token)``, at least 1; kvgate's engine caches blocks of ``block_tokens`
 
 from __future__ import annotations
 
+import importlib.resources
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import orjson
 
-PROFILE_DIR = Path(__file__).with_name("profiles")
+# (from the package, not ``__file__``: a compiled build's ``__file__`` is the build's relative
+# source path)
+PROFILE_DIR = Path(str(importlib.resources.files("kvgate"))) / "profiles"
 DEFAULT_PROFILE = "mistral-7b-a6000"
 
 

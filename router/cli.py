@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-ttl-s", type=float, default=10.0, help="routed key assumed cached for"
     )
     parser.add_argument(
+        "--speculative-grace-s",
+        type=float,
+        default=1.0,
+        help="... and, on an engine reporting KV events, this long after its request ended",
+    )
+    parser.add_argument(
         "--approximate",
         action="store_true",
         help="build the cache map from routing decisions only (engines without reporters)",
@@ -83,6 +89,7 @@ def build(args: argparse.Namespace) -> Router:
         inflight_timeout_s=args.inflight_timeout_s,
         tree_budget_bytes=int(args.tree_budget_mb * (1 << 20)),
         speculative_ttl_s=args.speculative_ttl_s,
+        speculative_grace_s=args.speculative_grace_s,
         approximate=args.approximate,
     )
     router = Router(RouterConfig(args.policy, options, cluster), random.Random(args.seed))

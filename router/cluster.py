@@ -48,7 +48,7 @@ from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_p
 from router.api import EngineInfo, RouteRequest
 from router.policies.base import LOAD_MODES, EngineView, GroupLoad, Move, Rng
 from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
-from router.tree import Match, RadixTree
+from router.tree import Match, Node, RadixTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,8 @@ class ClusterConfig:
     inflight_timeout_s: float = 600.0  # forget a routed request nobody reported on
     tree_budget_bytes: int = 1 << 30
     speculative_ttl_s: float = 10.0  # routed key assumed cached on a reporting engine
+    # ... and once its request ended (its KV events may still be on their way), this long
+    speculative_grace_s: float = 1.0
     approximate_ttl_s: float = 600.0  # ... on an engine without KV events (approximate mode)
     approximate: bool = False  # treat every engine as reporter-less (tree from decisions)
     speculative_max_entries: int = 100_000
@@ -81,6 +83,8 @@ class _Inflight:
     prefill_ms: float = 0.0  # its L entry's prefill part (outstanding until the first token)
     out_tokens: int = 0  # its output tokens (outstanding until it ends)
     ctx_tokens: float = 0.0  # input + output / 2: its mean context while decoding (EstTPOT)
+    spec: int = 0  # its speculative entry (settled when it ends, on engines reporting KV)
+    deadline: float = 0.0  # when its first token is due (router time: S-EDF's order)
 
 
 @dataclass(slots=True)
@@ -105,6 +109,9 @@ class _Engine:
     open_prefill_ms: float = 0.0  # prefill of in-flight requests without a first token yet
     open_out_tokens: int = 0  # output tokens of in-flight requests
     open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens
+    # in-flight requests without a first token: request id -> (deadline, missed tokens)
+    open_prefill: dict[str, tuple[float, int]] = field(default_factory=dict)
+    open_prefill_tokens: int = 0  # their sum of missed tokens
     groups: dict[int, list] = field(default_factory=dict)  # group -> [prefill, out, n, deque]
     tpots: deque = field(default_factory=deque)
     tpot_ms: float = 150.0
@@ -134,43 +141,73 @@ class _Engine:
 class Speculative:
     """Keys the router routed, counted as cached on their engine until they expire.
 
-    A reference-counted :class:`RadixTree` plus a heap of expiries; bounded by ``max_entries``
-    (the earliest-expiring go first)."""
+    A reference-counted :class:`RadixTree`, the live entries and a heap of expiries; bounded by
+    ``max_entries`` (the earliest-expiring go first). An entry's expiry can be brought forward
+    (:meth:`settle`: its request ended, so the engine's own KV events take over); the heap then
+    holds a superseded record, skipped when it comes up."""
 
     def __init__(self, max_entries: int) -> None:
         self.tree = RadixTree(budget_bytes=1 << 62)
-        self._heap: list[tuple[float, int, str, bytes]] = []
+        self._heap: list[tuple[float, int]] = []  # (expiry, handle), superseded ones included
+        # handle -> (expiry, engine, key, the node the key ends at)
+        self._live: dict[int, tuple[float, str, bytes, Node | None]] = {}
+        self._stale = 0  # superseded records in the heap
         self._seq = 0
         self.max_entries = max_entries
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
-    def add(self, engine: str, key: bytes, expires: float, now: float) -> None:
+    def add(self, engine: str, key: bytes, expires: float, now: float) -> int:
+        """Count ``key`` as cached on ``engine`` until ``expires``; returns the entry's handle
+        (0: nothing added)."""
         if not key:
-            return
-        self.tree.add_key(engine, key, now)
+            return 0
+        end = self.tree.add_key(engine, key, now)
         self._seq += 1
-        heapq.heappush(self._heap, (expires, self._seq, engine, key))
-        while len(self._heap) > self.max_entries:
-            _, _, e, k = heapq.heappop(self._heap)
-            self.tree.drop_key(e, k)
+        self._live[self._seq] = (expires, engine, key, end)
+        heapq.heappush(self._heap, (expires, self._seq))
+        while len(self._live) > self.max_entries:
+            self._pop()
+        return self._seq
+
+    def settle(self, handle: int, expires: float) -> None:
+        """Bring entry ``handle``'s expiry forward to ``expires`` (never later)."""
+        entry = self._live.get(handle)
+        if entry is None or expires >= entry[0]:
+            return
+        self._live[handle] = (expires, entry[1], entry[2], entry[3])
+        heapq.heappush(self._heap, (expires, handle))
+        self._stale += 1  # the record with the old expiry
+        if self._stale > 1024 and self._stale > 2 * len(self._live):  # amortised O(1)
+            live = self._live
+            self._heap = [r for r in self._heap if (e := live.get(r[1])) and e[0] == r[0]]
+            heapq.heapify(self._heap)
+            self._stale = 0
+
+    def _pop(self) -> None:
+        """Remove the heap's first record; drop its entry if the record is the current one."""
+        expires, handle = heapq.heappop(self._heap)
+        entry = self._live.get(handle)
+        if entry is not None and entry[0] == expires:
+            del self._live[handle]
+            self.tree.drop_key(entry[1], entry[2], entry[3])
+        elif self._stale:
+            self._stale -= 1
 
     def expire(self, now: float) -> None:
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, _, engine, key = heapq.heappop(heap)
-            self.tree.drop_key(engine, key)
+            self._pop()
 
     def clear_engine(self, engine: str) -> None:
-        keep = []
-        for item in self._heap:
-            if item[2] == engine:
-                self.tree.drop_key(engine, item[3])
-            else:
-                keep.append(item)
-        heapq.heapify(keep)
-        self._heap = keep
+        for handle in [h for h, entry in self._live.items() if entry[1] == engine]:
+            _, _, key, end = self._live.pop(handle)
+            self.tree.drop_key(engine, key, end)
+        live = self._live
+        self._heap = [r for r in self._heap if (e := live.get(r[1])) and e[0] == r[0]]
+        heapq.heapify(self._heap)
+        self._stale = 0
 
 
 class Cluster:
@@ -326,7 +363,7 @@ class Cluster:
             rec = self._inflight.get(ev.request_id)
             if rec is not None and not rec.first_token:
                 rec.first_token = True
-                self._prefill_done(rec)
+                self._prefill_done(rec, ev.request_id)
                 self._record_ttft(rec.group, ev.ttft_ms, now)
         elif isinstance(ev, RequestFinished):
             rec = self._inflight.get(ev.request_id)
@@ -334,9 +371,9 @@ class Cluster:
                 self._record_ttft(rec.group, ev.ttft_ms, now)
             if ev.output_tokens > 1:
                 self._record_tpot(eng, ev.tpot_ms)
-            self.release(ev.request_id, "event")
+            self.release(ev.request_id, "event", now)
         elif isinstance(ev, RequestRejected):
-            self.release(ev.request_id, "event")
+            self.release(ev.request_id, "event", now)
 
     def _not_pending(self, request_id: str) -> None:
         rec = self._inflight.get(request_id)
@@ -347,10 +384,12 @@ class Cluster:
                 eng.pending_prefill_tokens -= rec.missed_tokens
                 eng.view = None
 
-    def _prefill_done(self, rec: _Inflight) -> None:
+    def _prefill_done(self, rec: _Inflight, request_id: str) -> None:
         """``rec``'s prefill is no longer outstanding work of its engine."""
         eng = self.engines.get(rec.engine_id)
         if eng is not None:
+            if eng.open_prefill.pop(request_id, None) is not None:
+                eng.open_prefill_tokens -= rec.missed_tokens
             eng.open_prefill_ms -= rec.prefill_ms
             eng.view = None
             self._load_dirty[eng.engine_id] = eng
@@ -426,9 +465,10 @@ class Cluster:
         eng.hit_total += key_len
         old = self._inflight.pop(req.request_id, None)
         if old is not None:
-            self._forget(old)
+            self._forget(old, req.request_id)
         ctx_tokens = tokens + req.max_tokens / 2
-        self._inflight[req.request_id] = _Inflight(
+        deadline = now + req.slo.ttft_ms / 1000.0
+        rec = self._inflight[req.request_id] = _Inflight(
             engine_id,
             now,
             group,
@@ -436,7 +476,10 @@ class Cluster:
             prefill_ms=prefill,
             out_tokens=req.max_tokens,
             ctx_tokens=ctx_tokens,
+            deadline=deadline,
         )
+        eng.open_prefill[req.request_id] = (deadline, missed)
+        eng.open_prefill_tokens += missed
         eng.inflight += 1
         eng.open_prefill_ms += prefill
         eng.open_out_tokens += req.max_tokens
@@ -445,22 +488,32 @@ class Cluster:
         eng.routed_total += 1
         eng.view = None
         ttl = c.approximate_ttl_s if c.approximate or not eng.reports_kv else c.speculative_ttl_s
-        self.spec.add(engine_id, req.key, now + ttl, now)
+        rec.spec = self.spec.add(engine_id, req.key, now + ttl, now)
         self.tree.touch(match, engine_id, mine, now)
 
-    def release(self, request_id: str, how: str) -> bool:
-        """A routed request ended (``how``: event, report or timeout); frees its in-flight slot."""
+    def release(self, request_id: str, how: str, now: float) -> bool:
+        """A routed request ended (``how``: event, report or timeout); frees its in-flight slot.
+        On an engine that reports KV events its speculative entry now expires within
+        ``speculative_grace_s``: the engine's own events describe its cache from here on (so
+        the speculative tree holds about the requests in flight, not ``speculative_ttl_s`` of
+        traffic)."""
         rec = self._inflight.pop(request_id, None)
         if rec is None:
             return False
-        self._forget(rec)
+        self._forget(rec, request_id)
         self.released_by[how] = self.released_by.get(how, 0) + 1
+        if rec.spec and not self.config.approximate:
+            eng = self.engines.get(rec.engine_id)
+            if eng is not None and eng.reports_kv:
+                self.spec.settle(rec.spec, now + self.config.speculative_grace_s)
         return True
 
-    def _forget(self, rec: _Inflight) -> None:
+    def _forget(self, rec: _Inflight, request_id: str) -> None:
         eng = self.engines.get(rec.engine_id)
         if eng is not None:
             eng.inflight -= 1
+            if eng.open_prefill.pop(request_id, None) is not None:
+                eng.open_prefill_tokens -= rec.missed_tokens
             if rec.pending:
                 eng.pending_prefill_tokens -= rec.missed_tokens
             if not rec.first_token:
@@ -554,7 +607,7 @@ class Cluster:
             rid, rec = next(iter(self._inflight.items()))
             if rec.t >= timeout:
                 break
-            self.release(rid, "timeout")
+            self.release(rid, "timeout", now)
         hits = self._hits
         while hits and hits[0][0] < hit_horizon:
             _, engine_id, m, k = hits.popleft()
@@ -737,6 +790,25 @@ class View:
     def profiles(self) -> tuple[CostProfile, ...]:
         """The distinct cost profiles among the candidates (or a superset)."""
         return self._cluster.eligible_profiles(self._model, self._now)
+
+    def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
+        """Prefill time of what ``ev``'s S-EDF prefill scheduler serves before a request due at
+        ``deadline``: this router's open requests there (no first token yet) due no later,
+        plus the queued work it cannot attribute to them: the reported queue and the
+        routed-not-yet-queued tokens beyond what its open requests account for (another
+        router's requests, or a heartbeat older than their first tokens), charged in full."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None:
+            return ev.queued_prefill_ms
+        earlier = 0
+        for due, tokens in eng.open_prefill.values():
+            if due <= deadline:
+                earlier += tokens
+        hb = ev.heartbeat
+        queued = ev.pending_prefill_tokens + (hb.queued_prefill_tokens if hb is not None else 0)
+        unknown = queued - eng.open_prefill_tokens
+        ahead = earlier + (unknown if unknown > 0 else 0)
+        return ev.profile.prefill_ms(ahead) if ahead > 0 else 0.0
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``

@@ -99,7 +99,7 @@ class Router:
     def report(self, request_id: str, engine_id: str, outcome: Outcome, now: float) -> bool:
         """The gateway's word on a routed request: whatever the outcome, it is no longer in
         flight. False when the router had no record of it (already released)."""
-        return self.cluster.release(request_id, "report")
+        return self.cluster.release(request_id, "report", now)
 
     def add_static_engine(
         self,

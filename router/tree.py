@@ -541,13 +541,13 @@ class RadixTree:
             self._set_cov(p, engine, len(p.label), now)
         # index every block under the node holding its last byte
         index = self._index
-        p = 0
+        at = 0
         end = depth
         for h, b in zip(hashes, blocks, strict=True):
             end += len(b)
-            while path[p].end < end:
-                p += 1
-            index.put(h, path[p].nid, end, len(b))
+            while path[at].end < end:
+                at += 1
+            index.put(h, path[at].nid, end, len(b))
         if self.total_bytes > self.budget_bytes:
             self.gc(now)
         return True
@@ -607,11 +607,13 @@ class RadixTree:
 
     # ------------------------------------------------------------------ key coverage
 
-    def add_key(self, engine: str, key: bytes, now: float) -> None:
+    def add_key(self, engine: str, key: bytes, now: float) -> Node | None:
         """Reference-counted coverage of the whole ``key`` for ``engine`` (speculative and
-        approximate entries); undo with :meth:`drop_key`."""
+        approximate entries); undo with :meth:`drop_key`. Returns the node the key ends at
+        (None for an empty key): it stays the key's last node while the reference lives
+        (splits keep a node as the lower half), so dropping can walk up from it."""
         if not key:
-            return
+            return None
         path, last_off = self._ensure(self.root, 0, key, now)
         last = path[-1]
         if last_off < len(last.label):  # keys end on node boundaries: split at the end
@@ -632,19 +634,29 @@ class RadixTree:
                 if unheld:
                     unheld.pop(node, None)
             node.last_access = now
+        return path[-1]
 
-    def drop_key(self, engine: str, key: bytes) -> None:
-        """Release one :meth:`add_key` reference; nodes nobody references are deleted."""
-        node = self.root
-        pos = 0
+    def drop_key(self, engine: str, key: bytes, end: Node | None = None) -> None:
+        """Release one :meth:`add_key` reference; nodes nobody references are deleted. With
+        ``end`` (what :meth:`add_key` returned) the path is found by walking up from it, not
+        by comparing the key's bytes again."""
         path = []
-        while pos < len(key):
-            child = node.children.get(key[pos]) if node.children else None
-            if child is None or not key.startswith(child.label, pos):
-                break
-            path.append(child)
-            pos += len(child.label)
-            node = child
+        if end is not None and not end.dead and end.end == len(key):
+            up: Node | None = end
+            while up is not None and up is not self.root:
+                path.append(up)
+                up = up.parent
+            path.reverse()
+        else:
+            node = self.root
+            pos = 0
+            while pos < len(key):
+                child = node.children.get(key[pos]) if node.children else None
+                if child is None or not key.startswith(child.label, pos):
+                    break
+                path.append(child)
+                pos += len(child.label)
+                node = child
         for node in reversed(path):
             counts = node.counts
             if not counts or engine not in counts:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 from kvgate.slo import Slo
 from router.api import Candidate, Decision, EngineInfo, Outcome, Reason, RouteRequest
@@ -148,7 +148,7 @@ def decision_from_json(body: Any) -> Decision:
         return Decision(
             engine_id=body.get("engine_id"),
             url=body.get("url"),
-            reason=reason,
+            reason=cast(Reason, reason),
             policy=str(body.get("policy", "")),
             matched_bytes=int(body.get("matched_bytes", 0)),
             candidates=cands,
@@ -165,7 +165,7 @@ def report_from_json(body: Any) -> tuple[str, str, Outcome]:
     outcome = body.get("outcome")
     if outcome not in OUTCOMES:
         raise WireError(f"outcome must be one of {', '.join(sorted(OUTCOMES))}", "outcome")
-    return _str(body, "request_id") or "", _str(body, "engine_id") or "", outcome
+    return _str(body, "request_id") or "", _str(body, "engine_id") or "", cast(Outcome, outcome)
 
 
 def engine_to_json(e: EngineInfo) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
@@ -20,7 +20,7 @@ from router.api import Candidate, Decision, Reason, RouteRequest
 
 # E2's L_i: over the work still outstanding (in-flight requests) or Preble's 3-minute window
 LOAD_MODES = ("outstanding", "window")
-MAX_LISTED = 8  # candidates listed in a decision by matched bytes (building them costs time)
+MAX_LISTED = 4  # candidates listed in a decision by matched bytes (building them costs time)
 
 
 class Rng(Protocol):
@@ -107,9 +107,18 @@ class Move:
 class ClusterView(Protocol):
     """Read-only access to cluster state for one decision."""
 
-    engines: Sequence[EngineView]  # candidates: alive, serving the model, not excluded/draining
-    matched: Mapping[str, int]  # engine -> leading key bytes it caches (absent: 0)
-    rng: Rng
+    @property
+    def engines(self) -> Sequence[EngineView]:
+        """The candidates: alive, serving the model, not excluded or draining."""
+        ...
+
+    @property
+    def matched(self) -> Mapping[str, int]:
+        """Engine -> leading key bytes it caches (absent: 0)."""
+        ...
+
+    @property
+    def rng(self) -> Rng: ...
 
     def engine(self, engine_id: str) -> EngineView | None:
         """The candidate ``engine_id`` (None when it is not one): cheap lookups by id."""
@@ -126,6 +135,12 @@ class ClusterView(Protocol):
 
     def profiles(self) -> Sequence[CostProfile]:
         """Every distinct cost profile among the candidates (a superset is fine)."""
+        ...
+
+    def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
+        """Prefill time of the work ``ev``'s S-EDF scheduler serves before a request due at
+        ``deadline`` (router time, s): the router's open requests there due no later, plus
+        queued work it cannot attribute (charged in full)."""
         ...
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
@@ -165,7 +180,7 @@ class Policy(Protocol):
 class PolicyBase:
     """Defaults for the optional hook."""
 
-    name = "base"
+    name: ClassVar[str] = "base"
     load_mode = "window"  # which L the cluster keeps as EngineView.load_ms (router.cluster)
 
     def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:
@@ -198,8 +213,17 @@ def _most_then_id(item: tuple[str, int]) -> tuple[int, str]:
 
 def top_matched(matched: Mapping[str, int], k: int) -> list[tuple[str, int]]:
     """The ``k`` engines holding the most of the key, most first; equal lengths by engine id
-    (``matched``'s own order follows the tree's sets, which changes with ``PYTHONHASHSEED``)."""
-    return sorted(matched.items(), key=_most_then_id)[:k]
+    (``matched``'s own order follows the tree's sets, which changes with ``PYTHONHASHSEED``).
+    Cheap when many engines share a length (a system prompt held everywhere): only the
+    lengths are sorted, and the ids of the one length cut at ``k``."""
+    if k <= 0 or not matched:
+        return []
+    if len(matched) <= k:
+        return sorted(matched.items(), key=_most_then_id)
+    cut = sorted(matched.values(), reverse=True)[k - 1]  # the k-th longest match
+    above = sorted(((e, m) for e, m in matched.items() if m > cut), key=_most_then_id)
+    at_cut = sorted(e for e, m in matched.items() if m == cut)
+    return above + [(e, cut) for e in at_cut[: k - len(above)]]
 
 
 def by_load(ev: EngineView) -> tuple[float, int]:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.api import Decision
 from router.policies.base import (
@@ -32,14 +33,14 @@ class CacheAwareConfig:
 
 
 class CacheAware(PolicyBase):
-    name = "cache_aware"
+    name: ClassVar[str] = "cache_aware"
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()
 
     def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision:
         cfg = self.config
-        engines = candidates_or_shed(self.name, ctx, view.engines, view.matched, cfg.slo_filter)
+        engines = candidates_or_shed(self.name, ctx, view, now, cfg.slo_filter)
         if isinstance(engines, Decision):
             return engines
         rng = view.rng

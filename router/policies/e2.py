@@ -49,11 +49,11 @@ Preble's L).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from operator import attrgetter, itemgetter
+from typing import ClassVar
 
 from router.api import Candidate, Decision, Reason
 from router.policies.base import (
@@ -71,7 +71,7 @@ from router.policies.base import (
     prefill_cost_ms_for,
     top_matched,
 )
-from router.policies.feasibility import check, retry_after, shed
+from router.policies.feasibility import check, deadline_s, retry_after, shed
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +97,17 @@ class E2Config:
     guard_slack_ms: float = 0.0
 
 
-TIE_LIMIT = 8  # equally cheap engines considered for the tie-break
+TIE_LIMIT = 4  # equally cheap engines considered for the tie-break
 FLOOR_TERMS = 16  # most (profile, matched length) pairs priced for P's lower bound
 P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
 EXPLICIT_CLASS = 4  # a matched length held by at most this many engines: score them up front
 _COST_POS = itemgetter(0, 1, 2)
+_TOTAL = itemgetter(0)
 _POSITION = attrgetter("position")
 
 
 class E2(PolicyBase):
-    name = "e2"
+    name: ClassVar[str] = "e2"
 
     def __init__(self, config: E2Config | None = None) -> None:
         self.config = config or E2Config()
@@ -125,11 +126,13 @@ class E2(PolicyBase):
         if len(p_cache) > P_CACHE_MAX:
             p_cache.clear()
         worst = [float("inf")]  # smallest SLO excess seen (for the shed's retry-after)
+        due = deadline_s(ctx, now)
 
         def ok(ev: EngineView) -> bool:
             if not cfg.slo_filter:
                 return True
-            excess = check(ev, ctx, matched.get(ev.engine_id, 0), p_cache)
+            ahead = view.prefill_ahead_ms(ev, due)
+            excess = check(ev, ctx, matched.get(ev.engine_id, 0), p_cache, ahead)
             if excess > 0:
                 worst[0] = min(worst[0], excess)
                 return False
@@ -150,7 +153,7 @@ class E2(PolicyBase):
         best = max(matched.values(), default=0)
         while best > ctx.key_len - best:
             holders = [
-                ev for e, m in matched.items() if m == best and (ev := view.engine(e)) is not None
+                hv for e, m in matched.items() if m == best and (hv := view.engine(e)) is not None
             ]
             if holders:
                 # matched's order follows the tree's sets (string hashes: it changes with
@@ -264,36 +267,63 @@ class E2(PolicyBase):
                 pools.append(("pd_balance", [(lp, i, ev) for lp, _, i, ev in decode_heavy]))
         pools.append(("explore", order))
         for pool_reason, pool in pools:
-            best = float("inf")
-            evaluated: list[tuple[float, EngineView, float]] = []  # (total, view, M)
-            for lp, _, ev in pool:
-                if lp > best or lp >= limit or (lp == best and len(evaluated) >= TIE_LIMIT):
+            # Feasibility is checked lazily: the tie pool is gathered unchecked and only the
+            # pick is checked. A pick that fails joins ``infeasible`` and the pool is gathered
+            # again without it (the order re-reads what it has read); from then on every
+            # engine is checked as it is read, so shedding an overloaded cluster stays one
+            # pass. As with checking everything up front, the pick is one of the cheapest
+            # feasible engines (ties broken as below).
+            infeasible: set[str] = set()
+            eager = False
+            m_memo: dict[str, float] = {}
+            while True:
+                best = float("inf")
+                evaluated: list[tuple[float, EngineView, float]] = []  # (total, view, M)
+                for lp, _, ev in pool:
+                    if lp > best or lp >= limit or (lp == best and len(evaluated) >= TIE_LIMIT):
+                        break
+                    eid = ev.engine_id
+                    if eid in infeasible:
+                        continue
+                    if eager and not ok(ev):
+                        infeasible.add(eid)
+                        continue
+                    mcost = 0.0
+                    if cfg.eviction_term:
+                        need = key_len - get(eid, 0) - ev.free_bytes
+                        if need > 0:
+                            m = m_memo.get(eid)
+                            if m is None:
+                                m = m_memo[eid] = view.eviction_ms(eid, need, now)
+                            mcost = m
+                            if lp + mcost >= limit:
+                                continue
+                    evaluated.append((lp + mcost, ev, mcost))
+                    if lp + mcost < best:
+                        best = lp + mcost
+                if not evaluated:
                     break
-                if not ok(ev):
-                    continue
-                mcost = 0.0
-                if cfg.eviction_term:
-                    need = key_len - get(ev.engine_id, 0) - ev.free_bytes
-                    if need > 0:
-                        mcost = view.eviction_ms(ev.engine_id, need, now)
-                        if lp + mcost >= limit:
-                            continue
-                evaluated.append((lp + mcost, ev, mcost))
-                best = min(best, lp + mcost)
+                # ties on cost break on load, then in flight, then the rng
+                finalists = [t for t in evaluated if t[0] == best]
+                if len(finalists) > 1:
+                    key = min(by_load(t[1]) for t in finalists)
+                    finalists = [t for t in finalists if by_load(t[1]) == key]
+                pick = finalists[view.rng.randrange(len(finalists))] if len(finalists) > 1 else None
+                chosen = (pick or finalists[0])[1]
+                if eager or ok(chosen):
+                    break
+                infeasible.add(chosen.engine_id)
+                eager = True
             if not evaluated:
                 continue
-            # ties on cost break on load, then in flight, then the rng
-            finalists = [t for t in evaluated if t[0] == best]
-            key = min(by_load(t[1]) for t in finalists)
-            finalists = [t for t in finalists if by_load(t[1]) == key]
-            pick = finalists[view.rng.randrange(len(finalists))] if len(finalists) > 1 else None
-            chosen = (pick or finalists[0])[1]
-            # explain: the chosen, the next cheapest, and the engines holding the most of the key
+            # explain, from what was scored anyway: the chosen, the next cheapest scored, and
+            # the engines holding the most of the key (no extra engine is scored for this)
+            evaluated.sort(key=_TOTAL)
             m_of = {t[1].engine_id: t[2] for t in evaluated}
-            listed = [chosen, *(t[2] for t in order.first(cfg.max_candidates))]
+            listed = [chosen, *(t[1] for t in evaluated[: cfg.max_candidates])]
             for engine_id, _ in top_matched(matched, cfg.max_candidates):
-                if (ev := view.engine(engine_id)) is not None:
-                    listed.append(ev)
+                if (hv := view.engine(engine_id)) is not None:
+                    listed.append(hv)
             cands: dict[str, Candidate] = {}
             for ev in listed:
                 if ev.engine_id not in cands:
@@ -370,24 +400,27 @@ class _CostOrder:
 
     P depends only on an engine's class (its profile and matched length). The engines of the
     rare classes (matched lengths held by at most ``EXPLICIT_CLASS`` engines) are scored up
-    front; the rest come from ``view.by_load()`` (ascending L), so within a class ``L + P``
-    grows too. All go into a heap keyed by the exact ``(L + P, position)``, whose top is final
-    once no unread engine can beat it: the unread engines of a class already in the heap cost
-    at least that member, the others at least ``next L + the least P of the classes not in
-    the heap``. So reading the k cheapest scores about one engine per class plus the k, not
-    every engine; the order equals sorting every candidate by ``(L + P, L, position)``. Items
-    read are kept (the order can be re-read)."""
+    front; the rest come from ``view.by_load()`` (ascending ``(L, position)``), so within a
+    class the key grows too. All go into a heap keyed by the exact ``(L + P, L, position)``,
+    whose top is final once no unread engine can sort before it: the unread engines of a class
+    already in the heap sort after that member, the others at or after ``(next L + floor, next
+    L, next position)``, ``floor`` being the least P of the classes not in the heap. So reading
+    the k cheapest scores about one engine per class plus the k, not every engine; the order
+    equals sorting every candidate by ``(L + P, L, position)``. Items read are kept (the order
+    can be re-read). Classes are small integers (lists, not tuple-keyed dicts: this is the
+    router's hottest loop)."""
 
     __slots__ = (
+        "_class_of",
         "_explicit",
         "_floor",
         "_heap",
         "_in_heap",
         "_matched",
         "_next",
-        "_open",
         "_p_of",
         "_price",
+        "_priced",
         "_pushed",
         "_source",
         "seen",
@@ -402,44 +435,48 @@ class _CostOrder:
     ) -> None:
         self._p_of = p_of
         matched = view.matched
-        self._matched = matched.get
-        self._price: PrefillCache = {}  # class -> P
-        self._open: PrefillCache = {}  # streamed classes not in the heap -> P
-        self._in_heap: dict[tuple[str, int], int] = {}
+        self._matched = matched
+        self._class_of: dict[str, dict[int, int]] = {}  # profile -> matched length -> class
+        self._price: list[float] = []  # class -> P
+        self._in_heap: list[int] = []  # class -> its streamed engines in the heap
+        self._priced = False  # every streamed engine's class is priced (floor is exact)
         self._explicit: set[int] = set()  # matched lengths whose engines are scored up front
         self._floor = 0.0  # least P an unread engine may have
-        self._heap: list[tuple[float, float, int, int, EngineView, tuple[str, int] | None]] = []
-        self._pushed = 0  # a unique third key, so the heap never compares views
+        self._heap: list[tuple[float, float, int, int, EngineView, int]] = []
+        self._pushed = 0  # a unique fourth key, so the heap never compares views
         self.seen: list[tuple[float, int, EngineView]] = []
         if cache is not None:  # with the prefill term: price every class there may be
-            holders = Counter(matched.values())
+            holders: dict[int, int] = {}  # matched length -> engines holding it
+            for m in matched.values():
+                holders[m] = holders.get(m, 0) + 1
             rare = {m for m, n in holders.items() if n <= EXPLICIT_CLASS and m > 0}
-            lengths = holders.keys() - rare
-            lengths.add(0)
+            lengths = [m for m in holders if m not in rare]
+            if 0 not in holders:
+                lengths.append(0)
             profiles = view.profiles()
             if len(lengths) * len(profiles) <= FLOOR_TERMS:
-                self._price = {
-                    (prof.name, m): prefill_cost_ms_for(prof, key_len, cache, m)
-                    for prof in profiles
-                    for m in lengths
-                }
-                self._open = dict(self._price)
-                self._floor = min(self._open.values())
+                for prof in profiles:
+                    ids = self._class_of[prof.name] = {}
+                    for m in lengths:
+                        ids[m] = len(self._price)
+                        self._price.append(prefill_cost_ms_for(prof, key_len, cache, m))
+                        self._in_heap.append(0)
+                self._floor = min(self._price)
+                self._priced = True
                 self._explicit = rare
                 if rare:
                     for engine_id, m in matched.items():
                         if m in rare and (ev := view.engine(engine_id)) is not None:
-                            self._push(ev, None)
+                            self._push(ev, -1)
             # else: too many classes to price cheaply; 0 is a bound too, only a looser one
         self._source = view.by_load()
         self._next = next(self._source, None)
 
-    def _push(self, ev: EngineView, cls: tuple[str, int] | None) -> None:
-        p = self._price.get(cls) if cls is not None else None
-        if p is None:
-            p = self._p_of(ev)
+    def _push(self, ev: EngineView, cls: int) -> None:
+        p = self._price[cls] if cls >= 0 else self._p_of(ev)
         self._pushed += 1
-        heappush(self._heap, (ev.load_ms + p, ev.load_ms, ev.position, self._pushed, ev, cls))
+        load = ev.load_ms
+        heappush(self._heap, (load + p, load, ev.position, self._pushed, ev, cls))
 
     def _pull(self) -> tuple[float, int, EngineView] | None:
         heap = self._heap
@@ -447,42 +484,62 @@ class _CostOrder:
         matched = self._matched
         in_heap = self._in_heap
         explicit = self._explicit
-        while nxt is not None and (not heap or nxt.load_ms + self._floor <= heap[0][0]):
+        while nxt is not None:
+            if heap:  # stop once (L + floor, L, position) of nxt sorts after the top
+                top = heap[0]
+                load = nxt.load_ms
+                bound = load + self._floor
+                if bound != top[0]:
+                    if bound > top[0]:
+                        break
+                elif load != top[1]:
+                    if load > top[1]:
+                        break
+                elif nxt.position > top[2]:
+                    break
             ev = nxt
             nxt = next(self._source, None)
-            if not self._price:
-                self._push(ev, None)
+            if not self._priced:
+                self._push(ev, -1)
                 continue
-            m = matched(ev.engine_id, 0)
+            m = matched.get(ev.engine_id, 0)
             if m in explicit:
                 continue  # in the heap from the start
-            cls = (ev.profile.name, m)
-            if cls not in self._price:  # a profile view.profiles() missed: from now on, 0
-                self._price = {}
+            ids = self._class_of.get(ev.profile.name)
+            cls = ids.get(m, -1) if ids is not None else -1
+            if cls < 0:  # a profile view.profiles() missed: from now on, a floor of 0
+                self._priced = False
                 self._floor = 0.0
-                self._push(ev, None)
+                self._push(ev, -1)
                 continue
-            n = in_heap.get(cls, 0)
+            n = in_heap[cls]
             in_heap[cls] = n + 1
-            if n == 0:
-                open_ = self._open
-                del open_[cls]
-                self._floor = min(open_.values()) if open_ else float("inf")
+            if n == 0:  # the class is no longer open: the floor may rise
+                self._floor = self._open_floor()
             self._push(ev, cls)
         self._next = nxt
         if not heap:
             return None
-        lp, _, pos, _, ev, cls = heappop(heap)
-        if cls is not None and self._price:
-            n = in_heap[cls] - 1
-            in_heap[cls] = n
+        lp, _, pos, _, ev, popped = heappop(heap)
+        if popped >= 0 and self._priced:
+            n = in_heap[popped] - 1
+            in_heap[popped] = n
             if n == 0:  # its next member may be anywhere in the unread part again
-                p = self._open[cls] = self._price[cls]
+                p = self._price[popped]
                 if p < self._floor:
                     self._floor = p
         item = (lp, pos, ev)
         self.seen.append(item)
         return item
+
+    def _open_floor(self) -> float:
+        """The least P of the classes with no engine in the heap (inf: none)."""
+        floor = float("inf")
+        in_heap = self._in_heap
+        for c, p in enumerate(self._price):
+            if in_heap[c] == 0 and p < floor:
+                floor = p
+        return floor
 
     def __iter__(self) -> Iterator[tuple[float, int, EngineView]]:
         seen = self.seen

@@ -1,10 +1,15 @@
 """SLO feasibility: which engines can still meet a request's TTFT and TPOT objectives.
 
 Shared by every policy that enables ``slo_filter``. From an engine's last heartbeat and the work
-the router sent it since (precomputed in :class:`EngineView`):
+the router sent it since (precomputed in :class:`EngineView`, or per request from the view):
 
-* TTFT: ``prefill(queued prefill tokens + routed-not-yet-queued) + prefill(this request's missed
-  tokens after its cached ones) <= ttft_slo``;
+* TTFT: ``prefill(work ahead) + prefill(this request's missed tokens after its cached ones)
+  <= ttft_slo``. The work ahead is what the engine's S-EDF prefill scheduler serves first: the
+  router's own open requests there (routed, no first token yet) due no later than this one,
+  plus any queued work the router cannot attribute (another router's requests, charged in
+  full as their deadlines are unknown). Not the whole queue: S-EDF lets an earlier deadline
+  overtake, so charging everything queued sheds requests the engine would have served in time
+  (measured on Mooncake x2, 16 engines: e2 went from 68.2% to 78.9% SLO attainment);
 * TPOT (SCORPIO's VBS admission): with this request added to the virtual batch,
   ``EstTPOT(VBS + 1, L) x 1.3 < 0.99 x tpot_slo`` where ``L`` is the mean context of the
   requests in flight there plus this one (``input + output / 2`` tokens each, as the engine's
@@ -17,12 +22,16 @@ feasible the request is shed with ``retry_after_s``: the smallest TTFT excess am
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
 from router.api import Decision
-from router.policies.base import EngineView, PrefillCache, RequestContext, prefill_cost_ms
+from router.policies.base import (
+    ClusterView,
+    EngineView,
+    PrefillCache,
+    RequestContext,
+    prefill_cost_ms,
+)
 
 TPOT_SAFETY = 1.3  # SCORPIO's margin on the decode-time estimate
 TPOT_HEADROOM = 0.99
@@ -59,10 +68,14 @@ def check(
     ctx: RequestContext,
     matched: int,
     cache: PrefillCache,
+    ahead_ms: float | None = None,
 ) -> float:
-    """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss."""
+    """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss.
+    ``ahead_ms``: the prefill work the engine serves before this request
+    (:meth:`ClusterView.prefill_ahead_ms`); None charges its whole queue."""
     slo = ctx.request.slo
-    excess = ev.queued_prefill_ms + prefill_cost_ms(ev, ctx.key_len, matched, cache) - slo.ttft_ms
+    queued = ev.queued_prefill_ms if ahead_ms is None else ahead_ms
+    excess = queued + prefill_cost_ms(ev, ctx.key_len, matched, cache) - slo.ttft_ms
     if excess > 0:
         return excess
     req = ctx.request
@@ -75,18 +88,26 @@ def check(
     return 0.0
 
 
+def deadline_s(ctx: RequestContext, now: float) -> float:
+    """When the request's first token is due (router time)."""
+    return now + ctx.request.slo.ttft_ms / 1000.0
+
+
 def feasible_engines(
     ctx: RequestContext,
-    engines: Iterable[EngineView],
-    matched: Mapping[str, int],
+    view: ClusterView,
+    now: float,
     cache: PrefillCache | None = None,
 ) -> tuple[list[EngineView], float]:
     """Engines that can meet the request's SLO, and (when none can) the retry-after seconds."""
     cache = {} if cache is None else cache
     out: list[EngineView] = []
     min_excess_ms = float("inf")
-    for ev in engines:
-        excess = check(ev, ctx, matched.get(ev.engine_id, 0), cache)
+    matched = view.matched
+    due = deadline_s(ctx, now)
+    for ev in view.engines:
+        ahead = view.prefill_ahead_ms(ev, due)
+        excess = check(ev, ctx, matched.get(ev.engine_id, 0), cache, ahead)
         if excess > 0:
             min_excess_ms = min(min_excess_ms, excess)
         else:
@@ -113,13 +134,13 @@ def shed(policy: str, ctx: RequestContext, retry_after_s: float, detail: str) ->
 def candidates_or_shed(
     policy: str,
     ctx: RequestContext,
-    engines: Sequence[EngineView],
-    matched: Mapping[str, int],
+    view: ClusterView,
+    now: float,
     enabled: bool,
 ) -> list[EngineView] | Decision:
     """The engines a policy may pick from (all of them when the filter is off), or the shed
     decision when the filter leaves none."""
     if not enabled:
-        return list(engines)
-    ok, retry = feasible_engines(ctx, engines, matched)
+        return list(view.engines)
+    ok, retry = feasible_engines(ctx, view, now)
     return ok if ok else shed(policy, ctx, retry, "no engine can meet the SLO")

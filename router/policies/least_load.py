@@ -4,6 +4,7 @@ ties by the injected rng). Ignores cache contents."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.api import Decision
 from router.policies.base import (
@@ -23,15 +24,13 @@ class LeastLoadConfig:
 
 
 class LeastLoad(PolicyBase):
-    name = "least_load"
+    name: ClassVar[str] = "least_load"
 
     def __init__(self, config: LeastLoadConfig | None = None) -> None:
         self.config = config or LeastLoadConfig()
 
     def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision:
-        engines = candidates_or_shed(
-            self.name, ctx, view.engines, view.matched, self.config.slo_filter
-        )
+        engines = candidates_or_shed(self.name, ctx, view, now, self.config.slo_filter)
         if isinstance(engines, Decision):
             return engines
         return decide(self.name, "least_load", pick_min(engines, by_inflight, view.rng), view)

@@ -4,6 +4,7 @@ fewer requests in flight (Mitzenmacher); one candidate: that one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.api import Decision
 from router.policies.base import ClusterView, PolicyBase, RequestContext, by_inflight, decide
@@ -16,15 +17,13 @@ class PowerOfTwoConfig:
 
 
 class PowerOfTwo(PolicyBase):
-    name = "power_of_two"
+    name: ClassVar[str] = "power_of_two"
 
     def __init__(self, config: PowerOfTwoConfig | None = None) -> None:
         self.config = config or PowerOfTwoConfig()
 
     def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision:
-        engines = candidates_or_shed(
-            self.name, ctx, view.engines, view.matched, self.config.slo_filter
-        )
+        engines = candidates_or_shed(self.name, ctx, view, now, self.config.slo_filter)
         if isinstance(engines, Decision):
             return engines
         n = len(engines)

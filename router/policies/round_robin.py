@@ -6,6 +6,7 @@ The baseline every paper compares against; it ignores load and cache contents.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from router.api import Decision
 from router.policies.base import ClusterView, PolicyBase, RequestContext, decide
@@ -18,16 +19,14 @@ class RoundRobinConfig:
 
 
 class RoundRobin(PolicyBase):
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
 
     def __init__(self, config: RoundRobinConfig | None = None) -> None:
         self.config = config or RoundRobinConfig()
         self._next = 0
 
     def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision:
-        engines = candidates_or_shed(
-            self.name, ctx, view.engines, view.matched, self.config.slo_filter
-        )
+        engines = candidates_or_shed(self.name, ctx, view, now, self.config.slo_filter)
         if isinstance(engines, Decision):
             return engines
         engines.sort(key=lambda ev: ev.engine_id)

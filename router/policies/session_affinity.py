@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import ClassVar
 
 from engine_reporter.hashing import block_hash
 from router.api import Decision
@@ -32,7 +33,7 @@ def _point(text: str) -> int:
 
 
 class SessionAffinity(PolicyBase):
-    name = "session_affinity"
+    name: ClassVar[str] = "session_affinity"
 
     def __init__(self, config: SessionAffinityConfig | None = None) -> None:
         self.config = config or SessionAffinityConfig()
@@ -51,9 +52,7 @@ class SessionAffinity(PolicyBase):
         self._ring_for = engine_ids
 
     def choose(self, ctx: RequestContext, view: ClusterView, now: float) -> Decision:
-        engines = candidates_or_shed(
-            self.name, ctx, view.engines, view.matched, self.config.slo_filter
-        )
+        engines = candidates_or_shed(self.name, ctx, view, now, self.config.slo_filter)
         if isinstance(engines, Decision):
             return engines
         session = ctx.request.session

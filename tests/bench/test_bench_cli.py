@@ -6,6 +6,7 @@ from pathlib import Path
 
 import orjson
 
+from kvgate import native
 from kvgate.cli import main
 
 
@@ -66,6 +67,8 @@ def test_cprofile_breakdown_names_the_packages(tmp_path: Path) -> None:
     assert rc == 0
     (run,) = orjson.loads(out.read_bytes())["runs"]
     packages = run["profile"]["own_s_by_package"]
-    assert {"bench", "engine", "router"} <= set(packages)
+    # (a mypyc-compiled router is invisible to cProfile: its time shows in its callers)
+    expected = {"bench", "engine"} | (set() if native.active() else {"router"})
+    assert expected <= set(packages)
     assert run["profile"]["top_functions"]
     assert list((tmp_path / "prof").glob("*.prof"))

@@ -4,7 +4,10 @@ them) must route and time every request identically.
 
 The slice is chosen to be sensitive: 32 engines make equally loaded holders of one prefix
 common, and before the fix E2's exploit broke such ties with the rng over the tree's set order,
-so seeds 1 and 2 diverged on ~190 of these ~1,300 requests."""
+so seeds 1 and 2 diverged on ~190 of these ~1,300 requests.
+
+A third run loads the router from its pure-Python source (``KVGATE_NATIVE=0``): the mypyc
+build (:mod:`kvgate.native`) must decide exactly as the source does."""
 
 from __future__ import annotations
 
@@ -14,10 +17,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvgate import native
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = """
 import json
+from kvgate import native
 from bench.sim.runner import SimConfig, run_one
 from bench.workloads import WorkloadOptions, build_workload
 
@@ -30,12 +36,13 @@ print(json.dumps({
         for r in records
     ],
     "reasons": result["summary"]["reasons"],
+    "native": native.active(),
 }))
 """
 
 
-def _run(hash_seed: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+def _run(hash_seed: str, native: bool = True) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "KVGATE_NATIVE": "1" if native else "0"}
     return subprocess.Popen(
         [sys.executable, "-c", _SCRIPT],
         cwd=ROOT,
@@ -46,16 +53,19 @@ def _run(hash_seed: str) -> subprocess.Popen[str]:
     )
 
 
-def test_sim_identical_across_hash_seeds() -> None:
-    procs = [_run("1"), _run("2")]  # concurrently: the test costs one run's time
+def test_sim_identical_across_hash_seeds_and_builds() -> None:
+    # concurrently: the test costs about one run's time per core
+    procs = [_run("1"), _run("2"), _run("1", native=False)]
     outs = []
     for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
+        stdout, stderr = p.communicate(timeout=300)
         assert p.returncode == 0, stderr[-2000:]
         outs.append(json.loads(stdout))
-    first, second = outs
+    first, second, pure = outs
+    assert not pure["native"]
+    assert first["native"] == native.active()  # compiled when the build is present
     assert len(first["records"]) > 1000
     assert first["reasons"].get("exploit", 0) > 0  # the path that used to diverge ran
-    for a, b in zip(first["records"], second["records"], strict=True):
-        assert a == b, f"first divergence: {a} vs {b}"
-    assert first["reasons"] == second["reasons"]
+    for other in (second, pure):
+        for a, b in zip(first["records"], other["records"], strict=True):
+            assert a == b, f"first divergence: {a} vs {b}"

@@ -97,6 +97,78 @@ def test_burst_of_one_new_prefix_is_explored_once() -> None:
     assert f.router.cluster.match(key)[1] == {}
 
 
+def test_speculative_entry_settles_when_its_request_ends_on_a_reporting_engine() -> None:
+    f = Fleet(n=2, speculative_ttl_s=10.0, speculative_grace_s=0.5)
+    cl = f.router.cluster
+    keys = {rid: rid.encode() * 2000 for rid in ("done", "open", "told")}
+    engines = {rid: f.route(rid, key, 1.0).engine_id for rid, key in keys.items()}
+    assert len(cl.spec) == 3
+    f.send(engines["done"], RequestFinished("done", 10, 50.0, 20.0), 2.0)  # the engine's word
+    f.router.report("told", engines["told"], "ok", 2.0)  # the gateway's word
+    cl.expire(2.4)  # within the grace: the engine's KV events may still be on their way
+    assert len(cl.spec) == 3
+    cl.expire(2.6)
+    assert len(cl.spec) == 1  # the open request keeps its entry for the whole TTL
+    assert cl.match(keys["open"])[1] == {engines["open"]: len(keys["open"])}
+    assert cl.match(keys["done"])[1] == {}
+    cl.expire(11.5)
+    assert len(cl.spec) == 0 and cl.spec.tree.stats().bytes == 0
+
+
+def test_speculative_entry_of_an_engine_without_kv_events_outlives_its_request() -> None:
+    # approximate mode for that engine: the entry is the only cache map there is
+    f = Fleet(n=0, approximate_ttl_s=600.0, speculative_grace_s=0.5)
+    f.heartbeat("plain", 0.0)  # heartbeats only, no KV events
+    d = f.route("r", b"k" * 4000, 1.0)
+    f.router.report("r", d.engine_id, "ok", 2.0)
+    f.router.cluster.expire(100.0)
+    assert f.router.cluster.match(b"k" * 4000)[1] == {"plain": 4000}
+
+
+def test_slo_filter_lets_an_earlier_deadline_overtake_queued_prefill() -> None:
+    """The engine's S-EDF serves earlier deadlines first: a queued long prefill due later is
+    not in the way of an urgent request, but it is in the way of one due after it."""
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    big = b"B" * 120_000
+    big_ms = prof.prefill_ms(prof.tokens_for_bytes(len(big)))
+    small = b"s" * 2_000
+    small_ms = prof.prefill_ms(prof.tokens_for_bytes(len(small)))
+    assert big_ms > 4 * small_ms and big_ms > 1000.0
+    # the big request, due 100 ms after its own prefill: routed, queued, no first token yet
+    first = f.route("big", big, 1.0, slo=Slo(big_ms + 100.0, 1000.0))
+    assert first.engine_id == "e0"
+    # urgent: due before the big one, needs only its own prefill -> feasible (the whole-queue
+    # rule charged it big_ms and shed it)
+    urgent = f.route("urgent", small, 1.0, slo=Slo(small_ms + 50.0, 1000.0))
+    assert (urgent.engine_id, urgent.reason) == ("e0", "explore")
+    # due 10 ms after the big one: both queued prefills are ahead of it -> shed
+    late_ttft_ms = big_ms + 110.0
+    assert 2 * small_ms > 110.0
+    late = f.route("late", b"t" * 2_000, 1.0, slo=Slo(late_ttft_ms, 1000.0))
+    assert late.reason == "shed"
+    # once their prefills are done (first tokens), they are no longer ahead of anyone
+    f.send("e0", FirstToken("big", big_ms), 1.5)
+    f.send("e0", FirstToken("urgent", small_ms), 1.5)
+    again = f.route("late2", b"u" * 2_000, 1.5, slo=Slo(late_ttft_ms, 1000.0))
+    assert again.engine_id == "e0"
+
+
+def test_slo_filter_charges_queued_work_it_cannot_attribute() -> None:
+    """Work in the engine's reported queue that this router did not send (another gateway's
+    requests) has no known deadline: it is all ahead."""
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    f.heartbeat("e0", 1.0, queued_prefill_tokens=30_000)
+    foreign_ms = prof.prefill_ms(30_000)
+    small = b"s" * 2_000
+    small_ms = prof.prefill_ms(prof.tokens_for_bytes(len(small)))
+    d = f.route("r", small, 1.0, slo=Slo(small_ms + foreign_ms / 2, 1000.0))
+    assert d.reason == "shed"
+    d = f.route("r2", small, 1.0, slo=Slo(small_ms + foreign_ms + 100.0, 1000.0))
+    assert d.engine_id == "e0"
+
+
 def test_inflight_released_by_finish_reject_report_and_timeout() -> None:
     f = Fleet(n=1, inflight_timeout_s=60.0)
     for rid in ("a", "b", "c", "d"):

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_reporter.hashing import block_hash
-from router.tree import RadixTree, _BlockIndex, lcp_at
+from router.tree import Node, RadixTree, _BlockIndex, lcp_at
 
 ENGINES = ("e0", "e1", "e2")
 BLOCK = 3  # fixed-size blocks, as real engines cache
@@ -165,26 +165,27 @@ def test_property_test_exercises_matches() -> None:
 )
 def test_key_coverage_is_reference_counted(ops: list) -> None:
     """Speculative/approximate entries: a key stays matched while any reference to it (or to a
-    longer key through it) remains; nodes nobody references are freed."""
+    longer key through it) remains; nodes nobody references are freed. Every other drop uses
+    the node add_key returned (walking up from it, as the router's speculative entries do),
+    through whatever splits later keys made."""
     tree = RadixTree()
-    live: list[tuple[str, bytes]] = []
+    live: list[tuple[str, bytes, Node | None]] = []
     for add, engine, key in ops:
         if add or not live:
-            tree.add_key(engine, key, 0.0)
-            live.append((engine, key))
+            live.append((engine, key, tree.add_key(engine, key, 0.0)))
         else:
-            engine, key = live.pop(len(key) % len(live))
-            tree.drop_key(engine, key)
-        for probe in {k for _, k in live} | {key}:
+            engine, key, end = live.pop(len(key) % len(live))
+            tree.drop_key(engine, key, end if len(live) % 2 else None)
+        for probe in {k for _, k, _ in live} | {key}:
             expected = {}
-            for e, k in live:
+            for e, k, _ in live:
                 n = _lcp(probe, k)
                 if n > expected.get(e, 0):
                     expected[e] = n
             expected = {e: n for e, n in expected.items() if n}
             assert tree.match(probe).per_engine == expected
-    for engine, key in live:
-        tree.drop_key(engine, key)
+    for engine, key, end in live:
+        tree.drop_key(engine, key, end)
     assert tree.total_bytes == 0 and tree.stats().nodes == 1
 
 
