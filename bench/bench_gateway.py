@@ -15,9 +15,17 @@ below): it answers as soon as it has read the request, so what is measured is th
 rather than an engine's timing noise. It also answers the probes peer routers make (``/health``,
 ``/get_server_info``, ``/get_model_info``, ...). Streams send ``--chunks`` SSE events
 ``--gap-ms`` apart, so a proxy that holds small writes back (Nagle + delayed ACK, ~40 ms) shows.
+The events are paced by the clock (event i is due ``i * gap`` after the first), as an engine's
+decode steps are, so time the upstream spends descheduled while a proxy on the same cores runs
+does not pile up over the stream.
 
 Phases, interleaved by round so that a noisy neighbour hurts every target alike:
-* latency: one client connection, reused (keep-alive), one request at a time;
+* latency: one client connection, reused (keep-alive), one request at a time; before each
+  streamed request the client pauses a random 0 to ``--phase-jitter-ms`` (the same seeded
+  sequence for every target). Why: the upstream's timers tick in whole milliseconds, and a
+  request sent the moment the previous stream ended lands at a phase of that tick set by the
+  proxy's own round-trip time, so each target's stream length would carry a fixed bias of up
+  to a tick; a random phase makes it the same average for every target;
 * throughput: ``--concurrency`` connections, a fixed number of requests, requests/s.
 """
 
@@ -28,6 +36,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -80,6 +89,7 @@ def upstream_app(chunks: int, gap_ms: float) -> web.Application:
             return web.Response(body=orjson.dumps(out), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        t0 = time.perf_counter()
         for i in range(chunks):
             piece = (
                 {"index": 0, "delta": {"content": "ok "}} if chat else {"index": 0, "text": "ok "}
@@ -94,7 +104,10 @@ def upstream_app(chunks: int, gap_ms: float) -> web.Application:
             }
             await resp.write(b"data: " + orjson.dumps(ev) + b"\n\n")
             if gap_ms and i < chunks - 1:
-                await asyncio.sleep(gap_ms / 1000)
+                # Event i+1 is due at t0 + (i+1) * gap: paced by the clock, as an engine's
+                # decode steps are, so the time this process spent descheduled (the proxy in
+                # front of it runs on the same cores) does not pile up across the stream.
+                await asyncio.sleep(max(0.0, t0 + (i + 1) * gap_ms / 1000 - time.perf_counter()))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -243,15 +256,26 @@ async def _one(
 
 
 async def latency_batch(
-    urls: list[str], stream: bool, n: int, pick: Callable[[int], str]
+    urls: list[str],
+    stream: bool,
+    n: int,
+    pick: Callable[[int], str],
+    jitter_s: float = 0.0,
+    seed: int = 0,
 ) -> tuple[list[float], list[float]]:
-    """``n`` sequential requests over one reused connection per URL."""
+    """``n`` sequential requests over one reused connection per URL; a random pause of up to
+    ``jitter_s`` before each (see the module docstring)."""
     body = _body(stream)
+    rng = random.Random(seed)
     conn = aiohttp.TCPConnector(limit=len(urls), force_close=False)
     async with aiohttp.ClientSession(connector=conn) as s:
         await _one(s, pick(0), body, stream)  # open (and warm) the connection
         firsts, totals = [], []
         for i in range(n):
+            if jitter_s:
+                # Blocking on purpose: asyncio's sleep is as millisecond-grained as the
+                # upstream's timers; nothing else runs in this process meanwhile.
+                time.sleep(rng.random() * jitter_s)
             f, t = await _one(s, pick(i), body, stream)
             firsts.append(f)
             totals.append(t)
@@ -464,7 +488,10 @@ async def run_bench(args: argparse.Namespace) -> dict:
             for rnd in range(args.rounds):
                 for name, pick in named.items():
                     urls = engine_urls if name == "direct" else [pick(0)]
-                    f, tt = await latency_batch(urls, stream, args.latency_requests, pick)
+                    jitter = args.phase_jitter_ms / 1000 if stream and args.gap_ms else 0.0
+                    f, tt = await latency_batch(
+                        urls, stream, args.latency_requests, pick, jitter, seed=rnd
+                    )
                     firsts[name] += f
                     totals[name] += tt
                     r, nf = await throughput_batch(
@@ -610,6 +637,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--chunks", type=int, default=8, help="SSE events per streamed answer")
     p.add_argument("--gap-ms", type=float, default=1.0, help="time between streamed events")
+    p.add_argument(
+        "--phase-jitter-ms",
+        type=float,
+        default=1.0,
+        help="random pause before each streamed latency request, up to this (0: none)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--latency-requests", type=int, default=400, help="per target, per round")
     p.add_argument("--throughput-requests", type=int, default=1500, help="per target, per round")

@@ -1,11 +1,13 @@
-"""The gateway: an aiohttp app factory around one proxy handler.
+"""The gateway: an app factory around one proxy handler, served by the gateway's own HTTP/1.1
+server (:mod:`gateway.httpserver`) with its own upstream client (:mod:`gateway.upstream`).
 
 Per request the handler validates the body (``kvgate.openai_request``), asks the router once
 (embedded or remote, behind the :class:`router.api.RoutingService` protocol), forwards the
 original body bytes to the chosen engine and relays the answer; SSE chunk by chunk as it arrives.
 A connection failure or a 5xx before the first byte is retried on the next-best engine (the
 failed one excluded), at most ``max_retries`` times. Background work (engine list refresh, active
-health checks, outcome reports to the router) runs in cleanup contexts.
+health checks, outcome reports to the router) runs from :meth:`Gateway.start` to
+:meth:`Gateway.stop`.
 
 When the router cannot be reached, or says it knows no live engine while the gateway's own
 health checks find some, or its broker is down, the gateway keeps serving on the last known engine
@@ -17,27 +19,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import math
 import os
-import secrets
-import socket
+import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
-from aiohttp.abc import AbstractAccessLogger
-from yarl import URL
 
 from gateway.config import GatewayConfig
 from gateway.errors import error_response, from_request_error
+from gateway.httpserver import (
+    HttpServer,
+    Request,
+    Response,
+    Routes,
+    StreamResponse,
+    encode_header_lines,
+    json_response,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.pool import EnginePool
+from gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from kvgate.logs import LogOnce, request_id_var
 from kvgate.openai_request import ChatTemplate, Endpoint, RequestError, parse_request
 from kvgate.slo import Slo
@@ -68,9 +83,11 @@ _HOP = frozenset(
         "server",
     }
 )
-_NOT_FORWARDED = _HOP | {DEBUG_HEADER, REQUEST_ID}
-_NOT_RELAYED = _HOP | {REQUEST_ID, ROUTE_HEADER, WORKER_HEADER}
-_UPSTREAM_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+# As lower-cased bytes: the server and the upstream client give header names that way.
+# (``Expect: 100-continue`` was answered by the gateway, which has the whole body.)
+_NOT_FORWARDED = frozenset(h.encode() for h in _HOP | {DEBUG_HEADER, REQUEST_ID, "expect"})
+_NOT_RELAYED = frozenset(h.encode() for h in _HOP | {REQUEST_ID, ROUTE_HEADER, WORKER_HEADER})
+HEALTH_BODY_LIMIT = 1 << 20  # a /health or /v1/models answer larger than this is a failure
 
 StatsProvider = Callable[[], Awaitable[Mapping[str, Any]]]
 DrainHook = Callable[[str, bool], None]
@@ -80,15 +97,6 @@ DrainHook = Callable[[str, bool], None]
 class _Route:
     endpoint: Endpoint
     path: str
-
-
-def nodelay_socket(addr_info: Any) -> socket.socket:
-    """Upstream sockets with TCP_NODELAY from birth: a streamed chunk is never held back by
-    Nagle's algorithm waiting for the ACK of the previous small write."""
-    family, type_, proto, _, _ = addr_info
-    sock = socket.socket(family=family, type=type_, proto=proto)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
 
 
 class Gateway:
@@ -113,7 +121,8 @@ class Gateway:
         self.pool = EnginePool(config.breaker)
         self.pool.add_static(config.static_engines)
         self.metrics = GatewayMetrics()
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self.shutting_down = False
         self.router_failed_at: float | None = None  # last time route()/engines() failed
         self.broker_ok = True
@@ -122,8 +131,10 @@ class Gateway:
         self.reports: asyncio.Queue[tuple[str, str, Outcome]] = asyncio.Queue(maxsize=10_000)
         self.log_once = LogOnce(log, every_s=60.0)
         self.open_streams = 0
-        self._urls: dict[tuple[str, str], URL] = {}
         self.pid = str(os.getpid())  # which worker answered (``--workers N``)
+        # Request ids: random, not secret. Seeded per Gateway, so forked workers differ; one
+        # getrandom() syscall per request was a visible cost.
+        self._ids = random.Random(os.urandom(16))
         # An embedded router answers synchronously inside its coroutine: a timeout could never
         # fire, so the per-call timer (a visible share of a proxied request) is skipped.
         self._needs_timeout = not _is_embedded(routing)
@@ -185,24 +196,38 @@ class Gateway:
             self.router_failed_at = None
             self._set_degraded(None)
 
+    async def _get(self, url: str, path: str) -> tuple[int, bytes]:
+        """A GET to an engine through the upstream pool: (status, body)."""
+        assert self.upstream is not None
+        r = await self.upstream.request(self.upstream.target(url, path), b"GET")
+        try:
+            return r.status, await r.read(HEALTH_BODY_LIMIT)
+        finally:
+            r.close()
+
     async def check_health(self) -> None:
         """Probe every engine's ``GET /health`` (and learn the models of static engines)."""
-        assert self.session is not None
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
 
         async def probe(engine_id: str, url: str, need_models: bool) -> None:
             error = ""
             try:
-                async with self.session.get(url + "/health", timeout=timeout) as r:
-                    await r.read()
-                    ok = r.status < 500
-                    error = "" if ok else f"/health answered {r.status}"
-                if ok and need_models:
-                    async with self.session.get(url + "/v1/models", timeout=timeout) as r:
-                        data = await r.json(loads=orjson.loads, content_type=None)
+                async with asyncio.timeout(self.config.health_timeout_s):
+                    status, _ = await self._get(url, "/health")
+                    ok = status < 500
+                    error = "" if ok else f"/health answered {status}"
+                    if ok and need_models:
+                        _, body = await self._get(url, "/v1/models")
+                        data = orjson.loads(body)
                         models = [m["id"] for m in data.get("data", []) if "id" in m]
                         self.pool.set_models(engine_id, models)
-            except (*_UPSTREAM_FAILURES, ValueError, KeyError, TypeError, AttributeError) as exc:
+            except (
+                UpstreamError,
+                TimeoutError,
+                ValueError,
+                KeyError,
+                TypeError,
+                AttributeError,
+            ) as exc:
                 ok, error = False, repr(exc)
             now = time.monotonic()
             if self.pool.health_result(engine_id, ok, now, error):
@@ -250,41 +275,31 @@ class Gateway:
         except asyncio.QueueFull:
             self.log_once.warning("report-queue", "router report queue full: dropping outcomes")
 
-    async def background(self, app: web.Application) -> AsyncIterator[None]:
-        """Cleanup context: upstream session, first refresh and probes, then periodic jobs."""
-        connector = aiohttp.TCPConnector(
-            limit=0,
-            keepalive_timeout=60.0,
-            ttl_dns_cache=60,
-            socket_factory=nodelay_socket,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=self.config.connect_timeout_s,
-                sock_read=self.config.idle_timeout_s,
-            ),
+    async def start(self) -> None:
+        """Upstream pool, first refresh and probes, then the periodic jobs."""
+        self.upstream = UpstreamPool(
+            connect_timeout_s=self.config.connect_timeout_s,
+            idle_timeout_s=self.config.idle_timeout_s,
         )
         await self.refresh_engines()
         await self.check_health()
-        tasks = [
+        self._tasks = [
             asyncio.create_task(self._every(self.config.refresh_interval_s, self.refresh_engines)),
             asyncio.create_task(self._every(self.config.health_interval_s, self.check_health)),
             asyncio.create_task(self._report_loop()),
         ]
-        try:
-            yield
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.session.close()
 
-    async def on_shutdown(self, app: web.Application) -> None:
-        """Stop advertising readiness; aiohttp then waits for open streams to finish."""
+    async def stop(self) -> None:
+        """Stop the periodic jobs and close the upstream connections."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.upstream is not None:
+            await self.upstream.close()
+
+    def on_shutdown(self) -> None:
+        """Stop advertising readiness; the server then lets open streams finish."""
         self.shutting_down = True
         log.info("shutting down: draining %d open streams", self.open_streams)
 
@@ -327,14 +342,10 @@ class Gateway:
 
     # ---- the proxy ----------------------------------------------------------------------
 
-    async def _read_json(self, request: web.Request) -> Any:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise RequestError(f"request body exceeds {limit} bytes", status=413)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"request body exceeds {limit} bytes", status=413) from None
+    @staticmethod
+    def _read_json(request: Request) -> tuple[bytes, Any]:
+        """The body (its size was checked by the server: 413) and its JSON."""
+        raw = request.body
         if not raw:
             raise RequestError("request body is empty; expected a JSON object")
         try:
@@ -342,25 +353,31 @@ class Gateway:
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
 
-    def _forward_headers(self, request: web.Request, rid: str) -> dict[str, str]:
-        out = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
-        out[REQUEST_ID] = rid
-        return out
+    @staticmethod
+    def _forward_headers(request: Request, rid: bytes) -> bytes:
+        """The client's header lines for the engine, as received, hop-by-hop ones dropped;
+        the request id replaces any the client sent. Encoded once per request."""
+        skip = _NOT_FORWARDED
+        lines = [n + b": " + v + b"\r\n" for n, v in request.fields if n not in skip]
+        lines.append(b"x-request-id: " + rid + b"\r\n")
+        return b"".join(lines)
 
     def _response_headers(
-        self, upstream: aiohttp.ClientResponse, rid: str, decision: Decision, debug: bool
-    ) -> dict[str, str]:
-        out = {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED}
-        out[REQUEST_ID] = rid
+        self, upstream: UpstreamResponse, rid: bytes, decision: Decision, debug: bool
+    ) -> bytes:
+        """The engine's header lines for the client (hop-by-hop ones dropped), plus ours."""
+        skip = _NOT_RELAYED
+        lines = [n + b": " + v + b"\r\n" for n, v in upstream.fields if n not in skip]
+        lines.append(b"x-request-id: " + rid + b"\r\n")
         if debug:
-            out[ROUTE_HEADER] = decision.header_value()
-            out[WORKER_HEADER] = self.pid
-        return out
+            debug_pairs = ((ROUTE_HEADER, decision.header_value()), (WORKER_HEADER, self.pid))
+            lines.append(encode_header_lines(debug_pairs))
+        return b"".join(lines)
 
-    async def handle(self, request: web.Request, route: _Route) -> web.StreamResponse:
+    async def handle(self, request: Request, route: _Route) -> Response | StreamResponse:
         """The proxy handler of both OpenAI endpoints."""
         start = time.perf_counter()
-        rid = request.headers.get(REQUEST_ID) or secrets.token_hex(16)
+        rid = request.headers.get(REQUEST_ID) or f"{self._ids.getrandbits(128):032x}"
         token = request_id_var.set(rid)
         status = 499  # a cancelled handler: the client went away
         try:
@@ -385,9 +402,9 @@ class Gateway:
             request_id_var.reset(token)
 
     async def _proxy(
-        self, request: web.Request, route: _Route, rid: str, start: float
-    ) -> web.StreamResponse:
-        raw, body = await self._read_json(request)
+        self, request: Request, route: _Route, rid: str, start: float
+    ) -> Response | StreamResponse:
+        raw, body = self._read_json(request)
         model = body.get("model") if isinstance(body, dict) else None
         template = self.templates.get(model) if isinstance(model, str) else None
         if template is None:
@@ -411,11 +428,14 @@ class Gateway:
             1, math.ceil(len(parsed.key) / cfg.bytes_per_token)
         )
         max_tokens = parsed.max_tokens or parsed.hint.output_tokens or cfg.default_max_tokens
-        headers = self._forward_headers(request, rid)
+        rid_b = rid.encode("utf-8", "surrogateescape")
+        headers = self._forward_headers(request, rid_b)
+        m = self.metrics
         tried: set[str] = set()
         for attempt in range(cfg.max_retries + 1):
             now = time.monotonic()
             t_route = time.perf_counter()
+            blocked = self.pool.blocked(now)
             decision = await self.decide(
                 RouteRequest(
                     request_id=rid,
@@ -425,11 +445,10 @@ class Gateway:
                     max_tokens=max_tokens,
                     slo=parsed.slo,
                     session=parsed.session,
-                    exclude=self.pool.blocked(now) | tried,
+                    exclude=blocked | tried if tried else blocked,
                 )
             )
-            self.metrics.route_seconds.observe(time.perf_counter() - t_route)
-            m = self.metrics
+            m.route_seconds.observe(time.perf_counter() - t_route)
             m.child(m.decisions, decision.policy, decision.reason).inc()
             if decision.shed:
                 retry_after = max(1, math.ceil(decision.retry_after_s or 1.0))
@@ -447,38 +466,29 @@ class Gateway:
                     code="slo_shed",
                     headers={REQUEST_ID: rid, "Retry-After": str(retry_after)},
                 )
-            self.metrics.matched_bytes.observe(decision.matched_bytes)
+            m.matched_bytes.observe(decision.matched_bytes)
             engine_id = decision.engine_id
             assert engine_id is not None
             url = decision.url or self.pool.engines[engine_id].url
-            last = attempt == cfg.max_retries
             result = await self._forward(
                 request,
                 route,
                 raw,
                 headers,
                 engine_id,
-                self._upstream_url(url, route.path),
+                url,
                 rid,
+                rid_b,
                 decision,
                 debug,
                 start,
-                last,
+                attempt == cfg.max_retries,
             )
             if result is not None:
                 return result
             tried.add(engine_id)
             self.metrics.retries.labels("upstream_failure").inc()
         raise AssertionError("unreachable: the last attempt always answers")
-
-    def _upstream_url(self, base: str, path: str) -> URL:
-        """Parsed once per engine and path (URL parsing is a visible share of a request)."""
-        url = self._urls.get((base, path))
-        if url is None:
-            if len(self._urls) > 100_000:
-                self._urls.clear()
-            url = self._urls[(base, path)] = URL(base + path)
-        return url
 
     def _upstream_failed(self, engine_id: str, rid: str, kind: str, error: str) -> None:
         now = time.monotonic()
@@ -488,107 +498,120 @@ class Gateway:
             log.warning("engine %s ejected: %s", engine_id, error, extra={"engine": engine_id})
         self._report(rid, engine_id, "failed")
 
+    def _client_gone(self, engine_id: str, rid: str) -> None:
+        self.pool.released(engine_id)
+        self._report(rid, engine_id, "cancelled")
+        self.metrics.client_disconnects.inc()
+
     async def _forward(
         self,
-        request: web.Request,
+        request: Request,
         route: _Route,
         raw: bytes,
-        headers: dict[str, str],
+        headers: bytes,
         engine_id: str,
-        url: URL,
+        url: str,
         rid: str,
+        rid_b: bytes,
         decision: Decision,
         debug: bool,
         start: float,
         last: bool,
-    ) -> web.StreamResponse | None:
+    ) -> Response | StreamResponse | None:
         """One attempt on one engine: the response, or None to retry on another engine."""
-        assert self.session is not None
+        assert self.upstream is not None
         self.pool.started(engine_id, time.monotonic())
         try:
-            upstream = await self.session.post(url, data=raw, headers=headers)
-        except asyncio.CancelledError:
-            self.pool.released(engine_id)
-            self._report(rid, engine_id, "cancelled")
-            self.metrics.client_disconnects.inc()
-            raise
-        except _UPSTREAM_FAILURES as exc:
+            target = self.upstream.target(url, route.path)
+        except ValueError as exc:  # an engine URL the gateway cannot use (from the router)
             self._upstream_failed(engine_id, rid, "connect", repr(exc))
-            log.warning("engine %s unreachable: %r", engine_id, exc, extra={"engine": engine_id})
             if last:
                 return error_response(
                     502,
-                    f"engine {engine_id} unreachable: {exc!r}",
+                    f"engine {engine_id} has an unusable URL: {exc}",
                     code="upstream_unavailable",
                     headers={REQUEST_ID: rid},
                 )
             return None
         try:
-            if upstream.status >= 500 and not last:
-                await upstream.read()
-                self._upstream_failed(engine_id, rid, f"http_{upstream.status}", "5xx")
+            upstream = await self.upstream.request(target, b"POST", headers, raw)
+        except asyncio.CancelledError:
+            self._client_gone(engine_id, rid)
+            raise
+        except UpstreamError as exc:
+            kind = "connect" if isinstance(exc, UpstreamConnectError) else "read"
+            self._upstream_failed(engine_id, rid, kind, str(exc))
+            log.warning("engine %s failed: %s", engine_id, exc, extra={"engine": engine_id})
+            if last:
+                return error_response(
+                    504 if isinstance(exc, UpstreamTimeout) else 502,
+                    f"engine {engine_id} failed before answering: {exc}",
+                    code="upstream_unavailable" if kind == "connect" else "upstream_error",
+                    headers={REQUEST_ID: rid},
+                )
+            return None
+        try:
+            status = upstream.status
+            if status >= 500 and not last:
+                self._upstream_failed(engine_id, rid, f"http_{status}", "5xx")
                 return None
-            out_headers = self._response_headers(upstream, rid, decision, debug)
-            if upstream.content_type == "text/event-stream":
+            out_headers = self._response_headers(upstream, rid_b, decision, debug)
+            if upstream.is_event_stream:
                 return await self._relay_stream(
                     request, route, upstream, out_headers, engine_id, rid, start
                 )
             data = await upstream.read()
         except asyncio.CancelledError:
-            self.pool.released(engine_id)
-            self._report(rid, engine_id, "cancelled")
-            self.metrics.client_disconnects.inc()
+            self._client_gone(engine_id, rid)
             raise
-        except _UPSTREAM_FAILURES as exc:
-            self._upstream_failed(engine_id, rid, "read", repr(exc))
+        except UpstreamError as exc:
+            self._upstream_failed(engine_id, rid, "read", str(exc))
             if last:
                 return error_response(
-                    504 if isinstance(exc, asyncio.TimeoutError) else 502,
-                    f"engine {engine_id} failed before answering: {exc!r}",
+                    504 if isinstance(exc, UpstreamTimeout) else 502,
+                    f"engine {engine_id} failed before answering: {exc}",
                     code="upstream_error",
                     headers={REQUEST_ID: rid},
                 )
             return None
         finally:
-            upstream.release()
-        ok = upstream.status < 500
-        self.pool.finished(engine_id, ok, time.monotonic(), "" if ok else f"{upstream.status}")
+            upstream.close()  # a no-op once the body was read: the connection is back
+        ok = status < 500
+        self.pool.finished(engine_id, ok, time.monotonic(), "" if ok else f"{status}")
         self._report(rid, engine_id, "ok" if ok else "failed")
         m = self.metrics
         m.child(m.e2e, route.path, "false").observe(time.perf_counter() - start)
-        return web.Response(status=upstream.status, body=data, headers=out_headers)
+        return Response(status, data, raw_headers=out_headers)
 
     async def _relay_stream(
         self,
-        request: web.Request,
+        request: Request,
         route: _Route,
-        upstream: aiohttp.ClientResponse,
-        out_headers: dict[str, str],
+        upstream: UpstreamResponse,
+        out_headers: bytes,
         engine_id: str,
         rid: str,
         start: float,
-    ) -> web.StreamResponse:
+    ) -> StreamResponse:
         """Relay SSE bytes as they arrive; no buffering, one write per upstream read. The
         headers go out with the first chunk, and the last chunk with the end of the body (one
         write each rather than two: each write is a syscall and a wake-up of the client)."""
-        resp = _SseResponse(status=upstream.status, headers=out_headers)
-        self.open_streams += 1
-        self.metrics.open_streams.inc()
+        resp = StreamResponse(upstream.status, raw_headers=out_headers)
+        self.open_streams += 1  # exported on scrape (a Gauge takes a lock per update)
         outcome: Outcome = "ok"
         try:
             await resp.prepare(request)
-            content = upstream.content
             first = True
             while True:
                 try:
-                    chunk = await content.readany()
-                except _UPSTREAM_FAILURES as exc:  # the engine broke or went idle mid-stream
+                    chunk = await upstream.read_chunk()
+                except UpstreamError as exc:  # the engine broke or went idle mid-stream
                     outcome = "failed"
-                    self._upstream_failed(engine_id, rid, "stream", repr(exc))
+                    self._upstream_failed(engine_id, rid, "stream", str(exc))
                     log.warning(
-                        "stream from %s broke: %r", engine_id, exc, extra={"engine": engine_id}
+                        "stream from %s broke: %s", engine_id, exc, extra={"engine": engine_id}
                     )
-                    err = error_response(502, f"engine {engine_id} stream broke: {exc!r}")
+                    err = error_response(502, f"engine {engine_id} stream broke: {exc}")
                     with contextlib.suppress(ConnectionResetError):
                         await resp.write(b"data: " + err.body + b"\n\n")
                         await resp.write_eof()
@@ -599,7 +622,7 @@ class Gateway:
                     first = False
                     m = self.metrics
                     m.child(m.ttft, route.path).observe(time.perf_counter() - start)
-                if content.at_eof():  # the upstream body is complete: end ours with this chunk
+                if upstream.at_eof:  # the upstream body is complete: end ours with this chunk
                     await resp.write_eof(chunk)
                     return resp
                 await resp.write(chunk)
@@ -612,7 +635,6 @@ class Gateway:
             raise
         finally:
             self.open_streams -= 1
-            self.metrics.open_streams.dec()
             now = time.monotonic()
             if outcome == "ok":
                 self.pool.finished(engine_id, True, now)
@@ -625,19 +647,19 @@ class Gateway:
 
     # ---- other endpoints ----------------------------------------------------------------
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Response:
         if time.monotonic() - self.last_refresh > self.config.refresh_interval_s:
             await self.refresh_engines()
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
             for m in self.pool.models()
         ]
-        return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+        return json_response(orjson.dumps({"object": "list", "data": data}))
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "pid": int(self.pid)}, dumps=_dumps)
+    async def health(self, request: Request) -> Response:
+        return json_response(orjson.dumps({"status": "ok", "pid": int(self.pid)}))
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request) -> Response:
         usable = len(self.pool.usable(None, time.monotonic()))
         ready = usable > 0 and not self.shutting_down
         body = {
@@ -646,23 +668,22 @@ class Gateway:
             "degraded": self.degraded,
             "shutting_down": self.shutting_down,
         }
-        return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
+        return json_response(orjson.dumps(body), 200 if ready else 503)
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
         self.metrics.refresh_engines(self.pool, time.monotonic())
-        return web.Response(
-            body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type}
-        )
+        self.metrics.open_streams.set(self.open_streams)
+        return Response(body=self.metrics.exposition(), content_type=self.metrics.content_type)
 
-    def _authorized(self, request: web.Request) -> bool:
+    def _authorized(self, request: Request) -> bool:
         token = self.config.admin_token or ""
-        given = request.headers.get("Authorization", "")
+        given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            value.strip().encode(), token.encode()
+            value.strip().encode("utf-8", "surrogateescape"), token.encode()
         )
 
-    def _unauthorized(self) -> web.Response:
+    def _unauthorized(self) -> Response:
         return error_response(
             401,
             "admin endpoints need 'Authorization: Bearer <admin token>'",
@@ -670,7 +691,7 @@ class Gateway:
             headers={"WWW-Authenticate": 'Bearer realm="kvgate-admin"'},
         )
 
-    async def admin_engines(self, request: web.Request) -> web.Response:
+    async def admin_engines(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
         now = time.monotonic()
@@ -678,9 +699,9 @@ class Gateway:
             "degraded": self.degraded,
             "engines": [e.describe(now) for e in self.pool.engines.values()],
         }
-        return web.json_response(body, dumps=_dumps)
+        return json_response(orjson.dumps(body))
 
-    async def admin_drain(self, request: web.Request) -> web.Response:
+    async def admin_drain(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
         engine_id = request.match_info["engine_id"]
@@ -694,14 +715,7 @@ class Gateway:
                 log.warning("router did not take the drain of %s: %r", engine_id, exc)
         log.info("engine %s %s", engine_id, "draining" if draining else "undrained")
         e = self.pool.engines[engine_id]
-        return web.json_response(e.describe(time.monotonic()), dumps=_dumps)
-
-
-class _SseResponse(web.StreamResponse):
-    """A streamed response whose headers wait for the first body write (aiohttp's plain
-    ``Response`` does the same), so that they share one packet and one client wake-up."""
-
-    _send_headers_immediately = False
+        return json_response(orjson.dumps(e.describe(time.monotonic())))
 
 
 def _is_embedded(routing: RoutingService) -> bool:
@@ -713,51 +727,34 @@ def _is_embedded(routing: RoutingService) -> bool:
     return isinstance(routing, EmbeddedRouter)
 
 
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
-
-
 _ROUTES: dict[str, _Route] = {
     "/v1/completions": _Route("completions", "/v1/completions"),
     "/v1/chat/completions": _Route("chat", "/v1/chat/completions"),
 }
 
 
-def _handler_for(gw: Gateway, route: _Route) -> Callable[[web.Request], Awaitable]:
-    async def proxy(request: web.Request) -> web.StreamResponse:
-        return await gw.handle(request, route)
-
-    return proxy
+GATEWAY_KEY = "gateway"  # ``app[GATEWAY_KEY]`` is the app's Gateway
 
 
-GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+def _http_error(status: int, message: str) -> Response:
+    """The server's own refusals (404, 405, 413, 431, 400 ...) as OpenAI-style JSON."""
+    return error_response(status, message)
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """aiohttp's own 404/405/413 answers, and any bug, as OpenAI-style JSON (never a crash)."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, exc.reason or "error")
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("unhandled error on %s", request.path)
-        return error_response(500, "internal gateway error (logged)", code="internal_error")
+class GatewayApp:
+    """What :func:`create_app` returns and :func:`serve` runs: a Gateway and its routes.
+    ``owns_gateway``: serving it starts and stops the Gateway (False for a second listener
+    on the same Gateway, such as a worker's metrics port)."""
 
+    def __init__(self, gateway: Gateway, routes: Routes, *, owns_gateway: bool = True) -> None:
+        self.gateway = gateway
+        self.routes = routes
+        self.owns_gateway = owns_gateway
 
-class _NoAccessLog(AbstractAccessLogger):
-    """aiohttp's access log is replaced by the gateway's JSON request log."""
-
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        return None
-
-    @property
-    def enabled(self) -> bool:
-        return False
+    def __getitem__(self, key: str) -> Gateway:
+        if key != GATEWAY_KEY:
+            raise KeyError(key)
+        return self.gateway
 
 
 def create_app(
@@ -768,7 +765,7 @@ def create_app(
     default_slo: Slo | None = None,
     stats: StatsProvider | None = None,
     on_drain: DrainHook | None = None,
-) -> web.Application:
+) -> GatewayApp:
     """The gateway application. ``templates`` maps a model (or None for every model) to its chat
     template; ``stats`` gives the router's ``broker_lag_s``/``broker_ok``; ``on_drain`` tells an
     embedded router about admin drains."""
@@ -780,43 +777,85 @@ def create_app(
         stats=stats,
         on_drain=on_drain,
     )
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_json_errors])
-    app[GATEWAY_KEY] = gw
+    routes = Routes()
     for route in _ROUTES.values():
-        app.router.add_post(route.path, _handler_for(gw, route))
-    app.router.add_get("/v1/models", gw.models)
-    app.router.add_get("/health", gw.health)
-    app.router.add_get("/ready", gw.ready)
-    app.router.add_get("/metrics", gw.metrics_endpoint)
+        routes.add("POST", route.path, functools.partial(gw.handle, route=route))
+    routes.add("GET", "/v1/models", gw.models)
+    routes.add("GET", "/health", gw.health)
+    routes.add("GET", "/ready", gw.ready)
+    routes.add("GET", "/metrics", gw.metrics_endpoint)
     if config.admin_token:
-        app.router.add_get("/admin/engines", gw.admin_engines)
-        app.router.add_post(r"/admin/engines/{engine_id}/{action:drain|undrain}", gw.admin_drain)
-    app.cleanup_ctx.append(gw.background)
-    app.on_shutdown.append(gw.on_shutdown)
-    return app
+        routes.add("GET", "/admin/engines", gw.admin_engines)
+        routes.add("POST", "/admin/engines/{engine_id}/{action:drain|undrain}", gw.admin_drain)
+    return GatewayApp(gw, routes)
+
+
+def metrics_app(app: GatewayApp) -> GatewayApp:
+    """``/metrics`` (and ``/health``) of one worker on a port of its own: Prometheus scrapes
+    each worker there, since the shared port reaches one worker per scrape."""
+    gw = app.gateway
+    routes = Routes()
+    routes.add("GET", "/metrics", gw.metrics_endpoint)
+    routes.add("GET", "/health", gw.health)
+    return GatewayApp(gw, routes, owns_gateway=False)
+
+
+class GatewayRunner:
+    """A served :class:`GatewayApp`; :meth:`cleanup` drains and stops it."""
+
+    def __init__(self, app: GatewayApp, drain_timeout_s: float, max_body_bytes: int) -> None:
+        self.app = app
+        self.drain_timeout_s = drain_timeout_s
+        self.server = HttpServer(app.routes, error=_http_error, max_body_bytes=max_body_bytes)
+        self._started = False
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> int:
+        gw = self.app.gateway
+        if self.app.owns_gateway:
+            await gw.start()
+        self._started = True
+        try:
+            return await self.server.start(host, port, reuse_port=reuse_port)
+        except BaseException:
+            await self.cleanup()
+            raise
+
+    async def cleanup(self) -> None:
+        """Graceful stop: /ready says 503, no new connections, open requests and streams
+        finish for up to the drain timeout, then the background jobs and upstream pool stop."""
+        if not self._started:
+            return
+        self._started = False
+        gw = self.app.gateway
+        if self.app.owns_gateway:
+            gw.on_shutdown()
+        await self.server.shutdown(self.drain_timeout_s)
+        if self.app.owns_gateway:
+            await gw.stop()
 
 
 async def serve(
-    app: web.Application,
+    app: GatewayApp | web.Application,
     host: str,
     port: int,
     *,
     drain_timeout_s: float = 30.0,
     reuse_port: bool = False,
-) -> tuple[web.AppRunner, int]:
-    """Start ``app`` on host:port (0 = a free port); returns the runner and the bound port.
-    Client disconnects cancel the handler, so the upstream request is cancelled too.
-    ``reuse_port``: SO_REUSEPORT, for the worker processes that share one port."""
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        shutdown_timeout=drain_timeout_s,
-        access_log_class=_NoAccessLog,
-        access_log=None,
+) -> tuple[GatewayRunner | web.AppRunner, int]:
+    """Start ``app`` on host:port (0 = a free port); returns the runner (``await
+    runner.cleanup()`` to stop) and the bound port. A client that disconnects cancels its
+    handler, so the upstream request is cancelled too. ``reuse_port``: SO_REUSEPORT, for the
+    worker processes that share one port. An aiohttp ``web.Application`` (tests' fake engines)
+    is served by aiohttp."""
+    if isinstance(app, GatewayApp):
+        runner = GatewayRunner(app, drain_timeout_s, app.gateway.config.max_body_bytes)
+        return runner, await runner.start(host, port, reuse_port)
+    aio = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
     )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None)
+    await aio.setup()
+    site = web.TCPSite(aio, host, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     server = site._server  # the asyncio server: the only place the bound port is known
     assert server is not None and server.sockets
-    return runner, server.sockets[0].getsockname()[1]
+    return aio, server.sockets[0].getsockname()[1]

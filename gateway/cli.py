@@ -17,9 +17,7 @@ import os
 import signal
 import sys
 
-from aiohttp import web
-
-from gateway.app import GATEWAY_KEY, create_app, serve
+from gateway.app import create_app, metrics_app, serve
 from gateway.config import BreakerConfig, GatewayConfig, parse_engine_spec, parse_template_spec
 from gateway.routing import RoutingOptions, open_routing
 from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resolve_workers
@@ -222,16 +220,6 @@ async def serve_forever(
                 await metrics_runner.cleanup()
             await runner.cleanup()
     return 0
-
-
-def metrics_app(gateway_app: web.Application) -> web.Application:
-    """``/metrics`` (and ``/health``) of one worker on a port of its own: Prometheus scrapes
-    each worker there, since the shared port reaches one worker per scrape."""
-    gw = gateway_app[GATEWAY_KEY]
-    app = web.Application()
-    app.router.add_get("/metrics", gw.metrics_endpoint)
-    app.router.add_get("/health", gw.health)
-    return app
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
 
+from gateway.httpserver import Response, json_response
 from kvgate.openai_request import RequestError
 
 ERROR_TYPES = {
@@ -14,10 +14,13 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    417: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
     503: "service_unavailable",
     504: "upstream_timeout",
+    505: "invalid_request_error",
 }
 
 
@@ -28,7 +31,7 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
-) -> web.Response:
+) -> Response:
     """A JSON error body shaped as OpenAI's, which the openai SDK turns into its exceptions."""
     err = RequestError(
         message,
@@ -40,10 +43,5 @@ def error_response(
     return from_request_error(err, headers)
 
 
-def from_request_error(err: RequestError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=err.status,
-        body=orjson.dumps(err.to_body()),
-        content_type="application/json",
-        headers=headers,
-    )
+def from_request_error(err: RequestError, headers: dict[str, str] | None = None) -> Response:
+    return json_response(orjson.dumps(err.to_body()), err.status, (headers or {}).items())

@@ -1,7 +1,7 @@
 """``kvgate gateway --workers N``: N gateway processes behind one port, and their supervisor.
 
 One Python process tops out at one core; a production Python gateway runs several. Each worker
-is a whole gateway (its own aiohttp server, upstream pool, health checks and routing service);
+is a whole gateway (its own HTTP server, upstream pool, health checks and routing service);
 the parent only supervises.
 
 The shared port (SO_REUSEPORT): the parent binds a socket with SO_REUSEPORT and never listens on

@@ -252,13 +252,9 @@ async def test_tcp_nodelay_on_both_sides() -> None:
         # The socket the gateway opened to the engine, as the engine sees it accepted...
         assert st.engines[0].peer_nodelay == [True]
         # ...and the gateway's side of it, and the client connections the gateway accepted.
-        session = st.gateway.session
-        assert session is not None
-        upstream = [
-            proto.transport.get_extra_info("socket")
-            for conns in session.connector._conns.values()
-            for proto, _ in conns
-        ]
+        pool = st.gateway.upstream
+        assert pool is not None
+        upstream = [t.get_extra_info("socket") for t in pool.connections()]
         accepted = [p.transport.get_extra_info("socket") for p in st.runner.server.connections]
         assert upstream and accepted
         for sock in upstream + accepted:
@@ -274,3 +270,21 @@ async def test_upstream_unreachable_everywhere_is_a_502(streaming: bool) -> None
         status, _, data = await post(s, st.url + "/v1/completions", body)
         assert status in (502, 429)
         assert "error" in orjson.loads(data)
+
+
+async def test_engine_with_unusable_url_is_a_failure_not_a_crash() -> None:
+    cfg = GatewayConfig(max_retries=1, health_interval_s=60)
+    async with gateway_stack(2, config=cfg) as st, aiohttp.ClientSession() as s:
+        st.engines[0].url = "ftp://engine-0"  # what the router now says e0 is at
+        for _ in range(4):
+            status, _, body = await post(
+                s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"}
+            )
+            assert status == 200 and orjson.loads(body)["engine"] == "e1"
+        assert st.gateway.pool.engines["e0"].failures >= 1
+        st.engines[1].url = "ftp://engine-1"
+        st.gateway.pool.engines["e0"].breaker.success()  # let both be tried again
+        st.gateway.pool.changed()
+        status, _, body = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        err = orjson.loads(body)["error"]
+        assert status == 502 and "unusable URL" in err["message"]
