@@ -13,6 +13,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is an optional extra
+    uvloop = None
+
+# the event loops the gateway's own protocols are tested on (uvloop is what it runs on)
+LOOPS = [
+    pytest.param(asyncio.new_event_loop, id="asyncio"),
+    pytest.param(
+        uvloop.new_event_loop if uvloop else None,
+        id="uvloop",
+        marks=pytest.mark.skipif(uvloop is None, reason="uvloop not installed"),
+    ),
+]
+
 
 @dataclass
 class Seen:

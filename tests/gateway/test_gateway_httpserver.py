@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 import orjson
 import pytest
+from raw_server import LOOPS
 
 from gateway.errors import error_response
 from gateway.httpserver import (
@@ -25,20 +26,6 @@ from gateway.httpserver import (
     json_response,
     parse_request_head,
 )
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is an optional extra
-    uvloop = None
-
-LOOPS = [
-    pytest.param(asyncio.new_event_loop, id="asyncio"),
-    pytest.param(
-        uvloop.new_event_loop if uvloop else None,
-        id="uvloop",
-        marks=pytest.mark.skipif(uvloop is None, reason="uvloop not installed"),
-    ),
-]
 
 
 class App:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
-from raw_server import ok_response, raw_server, reset
+from raw_server import LOOPS, ok_response, raw_server, reset
 
 from gateway.upstream import (
     HIGH_WATER,
@@ -26,20 +26,6 @@ from gateway.upstream import (
     make_target,
     parse_head,
 )
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is an optional extra
-    uvloop = None
-
-LOOPS = [
-    pytest.param(asyncio.new_event_loop, id="asyncio"),
-    pytest.param(
-        uvloop.new_event_loop if uvloop else None,
-        id="uvloop",
-        marks=pytest.mark.skipif(uvloop is None, reason="uvloop not installed"),
-    ),
-]
 
 
 def run(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: Awaitable[None]) -> None:
