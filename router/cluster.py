@@ -47,7 +47,11 @@ from engine_reporter.hashing import block_hash
 from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
 from router.api import EngineInfo, RouteRequest
 from router.policies.base import LOAD_MODES, EngineView, GroupLoad, Move, Rng
-from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
+from router.policies.feasibility import (
+    next_decode_step_ms,
+    queued_prefill_ms,
+    queued_prefill_tokens,
+)
 from router.tree import Match, Node, RadixTree
 
 
@@ -804,8 +808,7 @@ class View:
         for due, tokens in eng.open_prefill.values():
             if due <= deadline:
                 earlier += tokens
-        hb = ev.heartbeat
-        queued = ev.pending_prefill_tokens + (hb.queued_prefill_tokens if hb is not None else 0)
+        queued = queued_prefill_tokens(ev.heartbeat, ev.pending_prefill_tokens)
         unknown = queued - eng.open_prefill_tokens
         ahead = earlier + (unknown if unknown > 0 else 0)
         return ev.profile.prefill_ms(ahead) if ahead > 0 else 0.0

@@ -39,10 +39,14 @@ MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 TPOT_MISS_RETRY_MS = 1000.0
 
 
+def queued_prefill_tokens(hb: LoadHeartbeat | None, pending: int) -> int:
+    """The engine's reported prefill queue plus what the router sent it since (``pending``)."""
+    return pending + (hb.queued_prefill_tokens if hb is not None else 0)
+
+
 def queued_prefill_ms(profile: CostProfile, hb: LoadHeartbeat | None, pending: int) -> float:
     """Time to work through the engine's queued prefill and what the router sent since."""
-    queued = pending + (hb.queued_prefill_tokens if hb is not None else 0)
-    return profile.prefill_ms(queued)
+    return profile.prefill_ms(queued_prefill_tokens(hb, pending))
 
 
 def next_decode_step_ms(
