@@ -593,18 +593,34 @@ class Gateway:
         rid: str,
         start: float,
     ) -> StreamResponse:
-        """Relay SSE bytes as they arrive; no buffering, one write per upstream read. The
-        headers go out with the first chunk, and the last chunk with the end of the body (one
-        write each rather than two: each write is a syscall and a wake-up of the client)."""
+        """Relay SSE bytes as they arrive, with no buffering and no hop through this task: the
+        upstream connection hands each piece to ``forward`` from its ``data_received`` (push
+        mode), which writes it to the client at once; this coroutine only waits for the end
+        and drains a slow client. The headers go out with the first piece, and the last piece
+        with the end of the body (one write each: each write is a syscall and a client
+        wake-up)."""
         resp = StreamResponse(upstream.status, raw_headers=out_headers)
         self.open_streams += 1  # exported on scrape (a Gauge takes a lock per update)
         outcome: Outcome = "ok"
+        first = True
+        ttft = self.metrics.child(self.metrics.ttft, route.path)
+
+        def forward(piece: bytes, last: bool) -> bool:
+            nonlocal first
+            if first and piece:
+                first = False
+                ttft.observe(time.perf_counter() - start)
+            try:
+                return resp.send(piece, last)
+            except ConnectionResetError:  # gone: the server cancels this task, which says so
+                return True
+
         try:
             await resp.prepare(request)
-            first = True
+            upstream.stream_to(forward)
             while True:
                 try:
-                    chunk = await upstream.read_chunk()
+                    await upstream.relayed()
                 except UpstreamError as exc:  # the engine broke or went idle mid-stream
                     outcome = "failed"
                     self._upstream_failed(engine_id, rid, "stream", str(exc))
@@ -616,17 +632,10 @@ class Gateway:
                         await resp.write(b"data: " + err.body + b"\n\n")
                         await resp.write_eof()
                     return resp
-                if not chunk:
+                if upstream.complete:
                     break
-                if first:
-                    first = False
-                    m = self.metrics
-                    m.child(m.ttft, route.path).observe(time.perf_counter() - start)
-                if upstream.at_eof:  # the upstream body is complete: end ours with this chunk
-                    await resp.write_eof(chunk)
-                    return resp
-                await resp.write(chunk)
-            await resp.write_eof()
+                await resp.drain()  # held: the client is slow; read on once it has room
+                upstream.release()
             return resp
         except (asyncio.CancelledError, ConnectionResetError):  # the client went away
             outcome = "cancelled"

@@ -23,6 +23,7 @@ from gateway.routing import RoutingOptions, open_routing
 from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resolve_workers
 from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
+from kvgate.runtime import tune_gc
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
 
 log = logging.getLogger("kvgate.gateway")
@@ -254,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace, slot: int, port: int, *, reuse_port: bool = True) -> int:
     """One gateway process on its own event loop (uvloop when installed)."""
     config = dataclasses.replace(config_from_args(args), port=port)
+    tune_gc()  # the embedded router's decisions: rarer collector pauses (kvgate.runtime)
     try:
         import uvloop
 

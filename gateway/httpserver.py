@@ -329,29 +329,40 @@ class StreamResponse:
             out += data
         return out
 
-    async def write(self, data: bytes) -> None:
-        """Send ``data`` now; waits while the client's socket buffer is full. Raises
-        ConnectionResetError once the client has gone."""
+    def send(self, data: bytes, last: bool = False) -> bool:
+        """Send ``data`` now (``last``: and end the body), from any callback; returns False
+        while the client's socket buffer is full (await :meth:`drain` before sending more).
+        Raises ConnectionResetError once the client has gone."""
         conn = self._conn
         if conn is None or conn.closed or conn.transport.is_closing():
             raise ConnectionResetError("client connection closed")
-        if not data and self._started:
-            return
-        conn.transport.write(self._frame(data, False))
-        if conn.write_paused:
+        if self.finished:
+            return True
+        if last:
+            self.finished = True
+        elif not data and self._started:
+            return not conn.write_paused
+        conn.transport.write(self._frame(data, last))
+        return not conn.write_paused
+
+    async def drain(self) -> None:
+        """Wait until the client's socket buffer has room again."""
+        conn = self._conn
+        if conn is not None and conn.write_paused:
             await conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` now; waits while the client's socket buffer is full. Raises
+        ConnectionResetError once the client has gone."""
+        if not self.send(data):
+            await self.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         """Send ``data`` (if any) and end the body."""
         if self.finished:
             return
-        conn = self._conn
-        if conn is None or conn.closed or conn.transport.is_closing():
-            raise ConnectionResetError("client connection closed")
-        self.finished = True
-        conn.transport.write(self._frame(data, True))
-        if conn.write_paused:
-            await conn.drain()
+        if not self.send(data, True):
+            await self.drain()
 
 
 # ---- routing ----------------------------------------------------------------------------------

@@ -14,7 +14,11 @@ over as it arrives. What this client does:
   status line, header or chunk size, or conflicting lengths are an :class:`UpstreamProtocolError`
   and close the connection.
 * **Streaming**: body pieces are handed to the reader as they arrive; reading from the engine
-  pauses while the reader lags by more than ``HIGH_WATER`` bytes.
+  pauses while the reader lags by more than ``HIGH_WATER`` bytes. A relay can instead take
+  them in *push* mode (:meth:`UpstreamResponse.stream_to`): each piece goes to its sink from
+  the connection's own ``data_received``, so a streamed token costs no task wake-up (one event
+  loop iteration and a future) on its way to the client; the sink's "full" answer pauses
+  reading from the engine until the relay has drained the client.
 * **Timeouts**: ``connect_timeout_s`` per connection attempt; ``idle_timeout_s`` without a byte
   from the engine while an answer is awaited (checked by one sweeper task per pool rather than a
   timer per request).
@@ -35,6 +39,7 @@ import math
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -47,6 +52,9 @@ MAX_CHUNK_LINE = 4096
 _IDLE, _HEAD, _BODY, _CLOSED = 0, 1, 2, 3
 # Body framings.
 _LENGTH, _CHUNKED, _UNTIL_CLOSE = 0, 1, 2
+
+# Push mode: sink(piece, last) -> whether the client can take more (see UpstreamResponse.stream_to)
+Sink = Callable[[bytes, bool], bool]
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
@@ -297,12 +305,14 @@ class UpstreamResponse:
         "_conn",
         "_error",
         "_parts",
+        "_sink",
         "_size",
         "_waiter",
         "_whole",
         "complete",
         "content_type",
         "fields",
+        "held",
         "reason",
         "status",
     )
@@ -319,6 +329,8 @@ class UpstreamResponse:
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._whole = False
+        self._sink: Sink | None = None
+        self.held = False  # push mode: reading paused until the sink's client drains
 
     @property
     def at_eof(self) -> bool:
@@ -345,6 +357,15 @@ class UpstreamResponse:
     # -- fed by the connection --
 
     def _push(self, piece: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if not sink(piece, False) and not self.held:  # the client is full: stop reading
+                self.held = True
+                conn = self._conn
+                if conn is not None:
+                    conn.pause()
+                self._wake()
+            return
         self._parts.append(piece)
         self._size += len(piece)
         conn = self._conn
@@ -352,9 +373,16 @@ class UpstreamResponse:
             conn.pause()
         self._wake()
 
-    def _finish(self) -> None:
+    def _finish(self, last: bytes = b"") -> None:
+        """The body is whole; ``last``: its final piece (sent with the end, in push mode)."""
         self.complete = True
         self._conn = None
+        sink = self._sink
+        if sink is not None:
+            sink(last, True)
+        elif last:
+            self._parts.append(last)
+            self._size += len(last)
         self._wake()
 
     def _fail(self, exc: UpstreamError) -> None:
@@ -410,6 +438,46 @@ class UpstreamResponse:
         if conn is not None and conn.paused:
             conn.resume()
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def stream_to(self, sink: Sink) -> None:
+        """Push mode: from now on every body piece goes to ``sink(piece, last)`` as it arrives
+        (what has arrived already, at once), and the end of the body as ``last=True`` with the
+        final piece. ``sink`` returns False when its client cannot take more: reading from the
+        engine then pauses (``held``) until :meth:`release` (see :meth:`relayed`)."""
+        self._sink = sink
+        parts = self._parts
+        self._parts = []
+        self._size = 0
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.complete:
+            sink(data, True)
+        elif data and not sink(data, False):
+            self.held = True
+            conn = self._conn
+            if conn is not None:
+                conn.pause()
+        else:
+            conn = self._conn
+            if conn is not None and conn.paused:
+                conn.resume()
+
+    async def relayed(self) -> None:
+        """Push mode: return once the whole body went to the sink, or when reading is
+        ``held`` (drain the client, then :meth:`release`); UpstreamError if the body broke."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self.complete or self.held:
+                return
+            await self._wait()
+
+    def release(self) -> None:
+        """Push mode: the client drained; read from the engine again."""
+        if self.held:
+            self.held = False
+            conn = self._conn
+            if conn is not None:
+                conn.resume()
 
     def close(self) -> None:
         """Abandon the answer: an unfinished one closes its connection (the engine sees the
@@ -595,8 +663,7 @@ class _Conn(asyncio.Protocol):
                 resp._push(data)
             else:
                 self.remaining = 0
-                resp._push(data if n == rem else data[:rem])
-                self._complete(data[rem:])
+                self._complete(data[rem:], data if n == rem else data[:rem])
         elif framing == _CHUNKED:
             dec = self.chunks
             assert dec is not None
@@ -605,16 +672,18 @@ class _Conn(asyncio.Protocol):
             except ValueError as exc:
                 self._fail(UpstreamProtocolError(f"bad chunked body from {self.origin}: {exc}"))
                 return
+            if dec.done:  # the last piece goes with the end (one write to the client)
+                self._complete(dec.tail, pieces[0] if len(pieces) == 1 else b"".join(pieces))
+                return
             for p in pieces:
                 if p:
                     resp._push(p)
-            if dec.done:
-                self._complete(dec.tail)
         else:
             resp._push(data)
 
-    def _complete(self, tail: bytes) -> None:
-        """The answer is whole: hand the connection back (or close it)."""
+    def _complete(self, tail: bytes, last: bytes = b"") -> None:
+        """The answer is whole (``last``: its final piece): hand the connection back (or
+        close it)."""
         resp = self.resp
         self.resp = None
         self.chunks = None
@@ -622,7 +691,7 @@ class _Conn(asyncio.Protocol):
         if tail:  # bytes after the end of the message: the engine is out of step
             self.keep_alive = False
         if resp is not None:
-            resp._finish()
+            resp._finish(last)
         if self.paused:
             self.resume()
         if self.keep_alive:

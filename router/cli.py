@@ -13,6 +13,7 @@ import signal
 from aiohttp import web
 
 from kvgate.logs import setup_logging
+from kvgate.runtime import tune_gc
 from router.cluster import ClusterConfig
 from router.core import Router, RouterConfig
 from router.policies.registry import POLICIES, PolicyError, make_policy
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     except (PolicyError, ValueError, TypeError) as exc:
         log.error("bad arguments: %s", exc)
         return 2
+    tune_gc()  # rarer collector pauses in the decision path (kvgate.runtime)
     try:
         asyncio.run(serve(args, router))
     except KeyboardInterrupt:

@@ -855,14 +855,19 @@ class View:
         r = self._cluster._replicas.get(group)
         return r[0] if r is not None else frozenset()
 
-    def groups_on(self, engine_id: str) -> list[GroupLoad]:
+    def groups_on(self, engine_id: str) -> Iterator[GroupLoad]:
+        """Heaviest first, lazily: a heap of plain tuples, a GroupLoad only for each group read
+        (rebalancing runs after every decision while loads are uneven, and usually reads a
+        few of the busiest engine's groups, not all)."""
         eng = self._cluster.engines.get(engine_id)
         if eng is None:
-            return []
+            return
         tpot = eng.tpot_ms
-        out = [GroupLoad(g, v[0] + v[1] * tpot, v[2]) for g, v in eng.groups.items() if v[2] > 0]
-        out.sort(key=lambda gl: -gl.load_ms)
-        return out
+        heap = [(-(v[0] + v[1] * tpot), g, v[2]) for g, v in eng.groups.items() if v[2] > 0]
+        heapq.heapify(heap)  # equal loads: the lower group id first
+        while heap:
+            neg_load, group, requests = heapq.heappop(heap)
+            yield GroupLoad(group, -neg_load, requests)
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         dq = self._cluster._ttfts.get(group)

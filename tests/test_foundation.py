@@ -118,3 +118,19 @@ def test_chat_template_rendering() -> None:
 def test_slo_defaults_to_relaxed_class() -> None:
     req = parse_request("completions", {"model": "m", "prompt": "x"}, {})
     assert req.slo == SLO_CLASSES["relaxed"] and not req.slo_stated
+
+
+def test_tune_gc_freezes_and_raises_the_young_threshold() -> None:
+    """The router and gateway processes' collector settings (kvgate.runtime)."""
+    import gc
+
+    from kvgate.runtime import GC_THRESHOLDS, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        applied = tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS == tuple(applied["thresholds"])
+        assert gc.get_freeze_count() > 0 and applied["frozen_objects"] == gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -31,7 +31,7 @@ class Rng(Protocol):
     def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int: ...
 
 
-@dataclass(frozen=True, slots=True, eq=False)  # a snapshot: equal only to itself
+@dataclass(slots=True, eq=False)  # a snapshot: equal only to itself; not frozen: router.api
 class EngineView:
     """One engine as policies see it at decision time. Loads in ms of work (Preble's L)."""
 
@@ -75,7 +75,7 @@ def prefill_cost_ms_for(
     return p
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # immutable by convention, not frozen: see router.api
 class RequestContext:
     """The request plus what the router derived from it once, for every policy."""
 
@@ -84,7 +84,7 @@ class RequestContext:
     group: int  # prefix group (hash of the key's first bytes): the unit E2 moves/replicates
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # immutable by convention, not frozen: see router.api
 class GroupLoad:
     """A prefix group's windowed work on one engine."""
 
@@ -93,7 +93,7 @@ class GroupLoad:
     requests: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # immutable by convention, not frozen: see router.api
 class Move:
     """Rebalancing feedback: send ``group`` to ``dst`` from now on (``move``), or add ``dst``
     as a replica of a hot ``group`` (``replicate``)."""
@@ -155,8 +155,8 @@ class ClusterView(Protocol):
         """Engines a hot prefix group is replicated on (empty: not replicated)."""
         ...
 
-    def groups_on(self, engine_id: str) -> list[GroupLoad]:
-        """Prefix groups routed to ``engine_id`` in the window, heaviest first."""
+    def groups_on(self, engine_id: str) -> Iterable[GroupLoad]:
+        """Prefix groups routed to ``engine_id`` in the window, heaviest first (lazily)."""
         ...
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
@@ -207,23 +207,30 @@ def pick_min(
     return best[0] if len(best) == 1 else best[rng.randrange(len(best))]
 
 
-def _most_then_id(item: tuple[str, int]) -> tuple[int, str]:
-    return (-item[1], item[0])
-
-
 def top_matched(matched: Mapping[str, int], k: int) -> list[tuple[str, int]]:
     """The ``k`` engines holding the most of the key, most first; equal lengths by engine id
     (``matched``'s own order follows the tree's sets, which changes with ``PYTHONHASHSEED``).
-    Cheap when many engines share a length (a system prompt held everywhere): only the
-    lengths are sorted, and the ids of the one length cut at ``k``."""
-    if k <= 0 or not matched:
+    One pass keeping the best ``k`` in a short sorted list: no sort of every engine (a system
+    prompt held everywhere makes ``matched`` as long as the cluster)."""
+    if k <= 0:
         return []
-    if len(matched) <= k:
-        return sorted(matched.items(), key=_most_then_id)
-    cut = sorted(matched.values(), reverse=True)[k - 1]  # the k-th longest match
-    above = sorted(((e, m) for e, m in matched.items() if m > cut), key=_most_then_id)
-    at_cut = sorted(e for e, m in matched.items() if m == cut)
-    return above + [(e, cut) for e in at_cut[: k - len(above)]]
+    top: list[tuple[str, int]] = []  # best first
+    last_e = ""
+    last_m = -1
+    for e, m in matched.items():
+        if len(top) == k and (m < last_m or (m == last_m and e > last_e)):
+            continue  # not better than the k-th (the common case: one comparison)
+        i = len(top)
+        while i > 0:  # the insertion point (k is small)
+            pe, pm = top[i - 1]
+            if pm > m or (pm == m and pe < e):
+                break
+            i -= 1
+        top.insert(i, (e, m))
+        if len(top) > k:
+            top.pop()
+        last_e, last_m = top[-1]
+    return top
 
 
 def by_load(ev: EngineView) -> tuple[float, int]:

@@ -516,6 +516,119 @@ async def _head_in_small_pieces() -> None:
         await pool.close()
 
 
+async def _push_mode_delivers_in_order_with_the_end() -> None:
+    """stream_to: every piece reaches the sink as it arrives (none waits for a reader), the last
+    piece comes with ``last=True``, for chunked and Content-Length bodies, and what arrived
+    before stream_to is handed over first."""
+    step = asyncio.Event()
+
+    async def script(conn, n, head, body, w):
+        if n == 1:  # chunked, in three writes; the second only once the first was relayed
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
+            await w.drain()
+            await asyncio.wait_for(step.wait(), 5)
+            w.write(b"3\r\ntwo\r\n")
+            await w.drain()
+            await asyncio.sleep(0.05)
+            w.write(b"5\r\nthree\r\n0\r\n\r\n")  # the last piece and the end together
+        else:  # Content-Length in two writes
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nabc")
+            await w.drain()
+            await asyncio.sleep(0.05)
+            w.write(b"def")
+
+    async with raw_server(script) as (url, _seen):
+        pool = UpstreamPool()
+        got: list[tuple[bytes, bool]] = []
+
+        def sink(piece: bytes, last: bool) -> bool:
+            got.append((piece, last))
+            if piece == b"one":
+                step.set()
+            return True
+
+        r = await post(pool, url)
+        await asyncio.sleep(0.05)  # "one" has arrived and waits in the response
+        r.stream_to(sink)
+        assert got == [(b"one", False)]
+        await r.relayed()
+        assert got == [(b"one", False), (b"two", False), (b"three", True)] and r.at_eof
+        got.clear()
+        r = await post(pool, url)
+        r.stream_to(sink)
+        await r.relayed()
+        assert b"".join(p for p, _ in got) == b"abcdef" and got[-1] == (b"def", True)
+        await settle(pool)
+        assert pool.idle_count() == 1  # both answers ended cleanly: the connection is reused
+        await pool.close()
+
+
+async def _push_mode_holds_the_engine_while_the_sink_is_full() -> None:
+    """A sink that says "full" pauses reading from the engine (``held``) until release()."""
+    total = 4 * 1024 * 1024
+    piece = b"z" * 65536
+    sent = 0
+
+    async def script(conn, n, head, body, w):
+        nonlocal sent
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        for _ in range(total // len(piece)):
+            w.write(piece)
+            await w.drain()
+            sent += len(piece)
+
+    async with raw_server(script) as (url, _seen):
+        pool = UpstreamPool()
+        got = 0
+        ends = 0
+
+        def sink(data: bytes, last: bool) -> bool:
+            nonlocal got, ends
+            got += len(data)
+            ends += last
+            return False  # always "full": one release per read from the engine
+
+        r = await post(pool, url)
+        r.stream_to(sink)
+        await r.relayed()
+        assert r.held and not r.complete
+        await asyncio.sleep(0.3)  # held: the engine is stopped by the socket buffers
+        assert sent < total and got < total
+        seen = got
+        await asyncio.sleep(0.2)
+        assert got == seen  # nothing more was read while held
+        releases = 0
+        while not r.complete:
+            r.release()
+            releases += 1
+            await r.relayed()
+        assert got == total and ends == 1 and releases > 1
+        await settle(pool)
+        assert pool.idle_count() == 1
+        await pool.close()
+
+
+async def _push_mode_reports_a_break_mid_body() -> None:
+    async def script(conn, n, head, body, w):
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n")
+        await w.drain()
+        await asyncio.sleep(0.05)
+        reset(w)
+        return "close"
+
+    async with raw_server(script) as (url, _seen):
+        pool = UpstreamPool()
+        got: list[tuple[bytes, bool]] = []
+        r = await post(pool, url)
+        r.stream_to(lambda piece, last: got.append((piece, last)) or True)
+        with pytest.raises(UpstreamClosed):
+            await r.relayed()
+        assert got == [(b"one", False)]  # no end was signalled
+        await settle(pool)
+        assert pool.connections() == []
+        await pool.close()
+
+
 SCENARIOS = {
     f.__name__.lstrip("_"): f
     for f in (
@@ -537,6 +650,9 @@ SCENARIOS = {
         _many_concurrent_requests_share_few_connections,
         _keepalive_expiry_and_close_fails_in_flight,
         _head_in_small_pieces,
+        _push_mode_delivers_in_order_with_the_end,
+        _push_mode_holds_the_engine_while_the_sink_is_full,
+        _push_mode_reports_a_break_mid_body,
     )
 }
 

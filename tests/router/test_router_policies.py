@@ -17,7 +17,7 @@ from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile, default_profile
 from kvgate.slo import Slo
 from router.api import RouteRequest
-from router.policies.base import EngineView, GroupLoad, RequestContext
+from router.policies.base import EngineView, GroupLoad, RequestContext, top_matched
 from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
 from router.policies.registry import POLICIES, PolicyError, make_policy
 
@@ -476,3 +476,16 @@ def test_e2_exploit_guard_counts_eviction_and_respects_the_switch() -> None:
     # every other engine infeasible or too dear: exploit as before
     view.engines[2] = replace(view.engines[2], load_ms=20 * p_ms(0))
     assert make_policy("e2", GUARD).choose(ctx(), view, 0.0).reason == "exploit"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from([f"e{i}" for i in range(40)]), st.integers(0, 6)),
+    st.integers(0, 8),
+)
+def test_top_matched_is_the_k_longest_then_by_id(matched: dict[str, int], k: int) -> None:
+    """The one-pass selection equals sorting every engine (most first, equal lengths by id),
+    whatever the dict's order: many engines sharing one length is the common case."""
+    want = sorted(matched.items(), key=lambda em: (-em[1], em[0]))[:k]
+    assert top_matched(matched, k) == want
+    assert top_matched(dict(reversed(matched.items())), k) == want
