@@ -360,10 +360,7 @@ class UpstreamResponse:
         sink = self._sink
         if sink is not None:
             if not sink(piece, False) and not self.held:  # the client is full: stop reading
-                self.held = True
-                conn = self._conn
-                if conn is not None:
-                    conn.pause()
+                self._hold()
                 self._wake()
             return
         self._parts.append(piece)
@@ -452,10 +449,7 @@ class UpstreamResponse:
         if self.complete:
             sink(data, True)
         elif data and not sink(data, False):
-            self.held = True
-            conn = self._conn
-            if conn is not None:
-                conn.pause()
+            self._hold()
         else:
             conn = self._conn
             if conn is not None and conn.paused:
@@ -470,6 +464,13 @@ class UpstreamResponse:
             if self.complete or self.held:
                 return
             await self._wait()
+
+    def _hold(self) -> None:
+        """Push mode: the sink's client is full; stop reading from the engine."""
+        self.held = True
+        conn = self._conn
+        if conn is not None:
+            conn.pause()
 
     def release(self) -> None:
         """Push mode: the client drained; read from the engine again."""
