@@ -76,8 +76,10 @@ class ClusterConfig:
     default_profile: str = "mistral-7b-a6000"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True)  # __init__ written out: see router.api's docstring
 class _Inflight:
+    """A request the router sent and has not seen finish."""
+
     engine_id: str
     t: float
     group: int
@@ -89,6 +91,45 @@ class _Inflight:
     ctx_tokens: float = 0.0  # input + output / 2: its mean context while decoding (EstTPOT)
     spec: int = 0  # its speculative entry (settled when it ends, on engines reporting KV)
     deadline: float = 0.0  # when its first token is due (router time: S-EDF's order)
+
+    def __init__(
+        self,
+        engine_id: str,
+        t: float,
+        group: int,
+        missed_tokens: int,
+        pending: bool = True,
+        first_token: bool = False,
+        prefill_ms: float = 0.0,
+        out_tokens: int = 0,
+        ctx_tokens: float = 0.0,
+        spec: int = 0,
+        deadline: float = 0.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.t = t
+        self.group = group
+        self.missed_tokens = missed_tokens
+        self.pending = pending
+        self.first_token = first_token
+        self.prefill_ms = prefill_ms
+        self.out_tokens = out_tokens
+        self.ctx_tokens = ctx_tokens
+        self.spec = spec
+        self.deadline = deadline
+
+
+class _GroupWork:
+    """One prefix group's work on one engine in the window: what rebalancing weighs and moves
+    (typed fields, not a list: the rebalancing check reads them after most decisions)."""
+
+    __slots__ = ("entries", "out_tokens", "prefill_ms", "requests")
+
+    def __init__(self) -> None:
+        self.prefill_ms = 0.0
+        self.out_tokens = 0
+        self.requests = 0
+        self.entries: deque[list] = deque()  # its entries of Cluster._load, oldest first
 
 
 @dataclass(slots=True)
@@ -116,7 +157,7 @@ class _Engine:
     # in-flight requests without a first token: request id -> (deadline, missed tokens)
     open_prefill: dict[str, tuple[float, int]] = field(default_factory=dict)
     open_prefill_tokens: int = 0  # their sum of missed tokens
-    groups: dict[int, list] = field(default_factory=dict)  # group -> [prefill, out, n, deque]
+    groups: dict[int, _GroupWork] = field(default_factory=dict)
     tpots: deque = field(default_factory=deque)
     tpot_ms: float = 150.0
     hit_matched: int = 0
@@ -450,7 +491,12 @@ class Cluster:
         # Preble's L entry: prefill of the missed part, plus this engine's share of the shared
         # prefix's prefill (divided among the engines holding it), plus output tokens later
         # multiplied by the engine's TPOT.
-        holders = sum(1 for v in matched.values() if v >= mine) if mine else 1
+        holders = 1
+        if mine:
+            holders = 0
+            for v in matched.values():
+                if v >= mine:
+                    holders += 1
         prefill = p.prefill_ms(missed, cached) + (p.prefill_ms(cached) / holders if cached else 0)
         entry = [now, engine_id, group, prefill, req.max_tokens]
         self._load.append(entry)
@@ -459,11 +505,11 @@ class Cluster:
         self._load_dirty[engine_id] = eng
         g = eng.groups.get(group)
         if g is None:
-            g = eng.groups[group] = [0.0, 0, 0, deque()]
-        g[0] += prefill
-        g[1] += req.max_tokens
-        g[2] += 1
-        g[3].append(entry)
+            g = eng.groups[group] = _GroupWork()
+        g.prefill_ms += prefill
+        g.out_tokens += req.max_tokens
+        g.requests += 1
+        g.entries.append(entry)
         self._hits.append((now, engine_id, mine, key_len))
         eng.hit_matched += mine
         eng.hit_total += key_len
@@ -546,22 +592,22 @@ class Cluster:
                 continue
             g = src.groups.pop(mv.group, None)
             if g is not None:
-                src.load_prefill_ms -= g[0]
-                src.load_out_tokens -= g[1]
-                dst.load_prefill_ms += g[0]
-                dst.load_out_tokens += g[1]
+                src.load_prefill_ms -= g.prefill_ms
+                src.load_out_tokens -= g.out_tokens
+                dst.load_prefill_ms += g.prefill_ms
+                dst.load_out_tokens += g.out_tokens
                 self._load_dirty[src.engine_id] = src
                 self._load_dirty[dst.engine_id] = dst
-                for entry in g[3]:
+                for entry in g.entries:
                     entry[1] = mv.dst
                 d = dst.groups.get(mv.group)
                 if d is None:
                     dst.groups[mv.group] = g
                 else:
-                    d[0] += g[0]
-                    d[1] += g[1]
-                    d[2] += g[2]
-                    d[3] = deque(sorted((*d[3], *g[3]), key=lambda e: e[0]))
+                    d.prefill_ms += g.prefill_ms
+                    d.out_tokens += g.out_tokens
+                    d.requests += g.requests
+                    d.entries = deque(sorted((*d.entries, *g.entries), key=lambda e: e[0]))
             self._overrides[mv.group] = (mv.dst, until)
             src.view = dst.view = None
             self.moves += 1
@@ -583,10 +629,10 @@ class Cluster:
             self._load_dirty[engine_id] = eng
             g = eng.groups.get(group)
             if g is not None:
-                g[0] -= prefill
-                g[1] -= out
-                g[2] -= 1
-                dq = g[3]
+                g.prefill_ms -= prefill
+                g.out_tokens -= out
+                g.requests -= 1
+                dq = g.entries
                 if dq and dq[0][0] == t and dq[0][3] == prefill:
                     dq.popleft()
                 else:
@@ -594,16 +640,16 @@ class Cluster:
                         if e[0] == t and e[3] == prefill:
                             del dq[i]
                             break
-                if g[2] <= 0:
+                if g.requests <= 0:
                     del eng.groups[group]
             eng.view = None
         order = self._ttft_order
         while order and order[0][0] < horizon:
             _, group = order.popleft()
-            dq = self._ttfts.get(group)
-            if dq:
-                dq.popleft()
-                if not dq:
+            samples = self._ttfts.get(group)
+            if samples:
+                samples.popleft()
+                if not samples:
                     del self._ttfts[group]
         hit_horizon = now - c.hit_window_s
         timeout = now - c.inflight_timeout_s
@@ -666,10 +712,13 @@ class Cluster:
         The eligible set per model is cached until an engine joins, leaves, drains or could
         reach its heartbeat TTL (the earliest such moment), so a decision costs one cheap pass."""
         eligible = self.eligible(req.model, now)
-        view = self.engine_view
         if req.exclude:
-            return [e.view or view(e) for e in eligible.values() if e.engine_id not in req.exclude]
-        return [e.view or view(e) for e in eligible.values()]
+            return [
+                e.view or self.engine_view(e)
+                for e in eligible.values()
+                if e.engine_id not in req.exclude
+            ]
+        return [e.view or self.engine_view(e) for e in eligible.values()]
 
     def eligible(self, model: str, now: float) -> dict[str, _Engine]:
         """Engines alive, serving ``model`` and not draining (cached, see :meth:`candidates`)."""
@@ -863,7 +912,11 @@ class View:
         if eng is None:
             return
         tpot = eng.tpot_ms
-        heap = [(-(v[0] + v[1] * tpot), g, v[2]) for g, v in eng.groups.items() if v[2] > 0]
+        heap = [
+            (-(w.prefill_ms + w.out_tokens * tpot), g, w.requests)
+            for g, w in eng.groups.items()
+            if w.requests > 0
+        ]
         heapq.heapify(heap)  # equal loads: the lower group id first
         while heap:
             neg_load, group, requests = heapq.heappop(heap)

@@ -258,13 +258,20 @@ class Node:
         return self.hits * math.exp(-max(now - self.hits_t, 0.0) / tau)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True)  # __init__ written out: see router.api's docstring
 class Match:
     """Result of :meth:`RadixTree.match`: matched bytes per engine and the nodes walked."""
 
     per_engine: dict[str, int]
     path: list[Node] = field(default_factory=list)
     depth: int = 0  # bytes of the key present in the tree at all (held or not)
+
+    def __init__(
+        self, per_engine: dict[str, int], path: list[Node] | None = None, depth: int = 0
+    ) -> None:
+        self.per_engine = per_engine
+        self.path = [] if path is None else path  # (the field's default_factory)
+        self.depth = depth
 
     def best(self) -> int:
         return max(self.per_engine.values(), default=0)
@@ -682,7 +689,7 @@ class RadixTree:
         path: list[Node] = []
         node = self.root
         pos, n = 0, len(key)
-        alive: set[str] | None = None  # None: the root, which everyone holds
+        alive: set[str] | frozenset[str] | None = None  # None: the root, which everyone holds
         while pos < n:
             child = node.children.get(key[pos]) if node.children else None
             if child is None:
@@ -697,16 +704,17 @@ class RadixTree:
             full = child.full or _EMPTY
             partial = child.partial
             if alive is None:
-                nxt = set(full)
+                nxt = full  # never mutated below: every later set is a new one
                 if partial:
                     for e, cov in partial.items():
                         out[e] = cov if cov < m else m
             else:
                 nxt = alive & full
                 if len(nxt) != len(alive):
-                    for e in alive - nxt:
-                        cov = partial.get(e, 0) if partial else 0
-                        out[e] = pos + (cov if cov < m else m)
+                    for e in alive:  # the engines whose full coverage ends here
+                        if e not in nxt:
+                            cov = partial.get(e, 0) if partial else 0
+                            out[e] = pos + (cov if cov < m else m)
             if m < size:
                 for e in nxt:
                     out[e] = pos + m

@@ -72,3 +72,48 @@ def test_native_zero_loads_every_module_from_source() -> None:
     active, *files = json.loads(out.stdout)
     assert active is False
     assert all(f.endswith(".py") for f in files), files
+
+
+def _dataclass_inits(path: Path) -> list[tuple[str, list[tuple[str, str]], list[tuple[str, str]]]]:
+    """(class, declared fields, __init__ parameters) for each dataclass in ``path`` that writes
+    its own ``__init__``; each as (name, default source; "" for none, "None" for a factory)."""
+    import ast
+
+    out = []
+    for cls in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(cls, ast.ClassDef) or not any(
+            "dataclass" in ast.unparse(d) for d in cls.decorator_list
+        ):
+            continue
+        init = next(
+            (f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None
+        )
+        if init is None:
+            continue
+        fields = []
+        for st in cls.body:
+            if not isinstance(st, ast.AnnAssign) or "ClassVar" in ast.unparse(st.annotation):
+                continue
+            default = "" if st.value is None else ast.unparse(st.value)
+            if isinstance(st.value, ast.Call) and ast.unparse(st.value.func) == "field":
+                kw = {k.arg: ast.unparse(k.value) for k in st.value.keywords}
+                default = kw.get("default", "None" if "default_factory" in kw else "")
+            fields.append((ast.unparse(st.target), default))
+        args = init.args.args[1:]
+        defaults = [""] * (len(args) - len(init.args.defaults)) + [
+            ast.unparse(d) for d in init.args.defaults
+        ]
+        out.append((cls.name, fields, [(a.arg, d) for a, d in zip(args, defaults, strict=True)]))
+    return out
+
+
+def test_written_dataclass_inits_take_exactly_the_declared_fields() -> None:
+    """The decision path's dataclasses spell out ``__init__`` (compiled by mypyc, see
+    router/api.py): it must take every declared field, in order, with the same default, so the
+    class means the same with and without the build."""
+    found = []
+    for path in sorted((ROOT / "router").rglob("*.py")):
+        for name, fields, params in _dataclass_inits(path):
+            found.append(name)
+            assert params == fields, f"{path.name}:{name}.__init__ differs from its fields"
+    assert {"RouteRequest", "Candidate", "Decision", "EngineView", "Match"} <= set(found)

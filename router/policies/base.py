@@ -31,7 +31,7 @@ class Rng(Protocol):
     def randrange(self, start: int, stop: int | None = None, step: int = 1) -> int: ...
 
 
-@dataclass(slots=True, eq=False)  # a snapshot: equal only to itself; not frozen: router.api
+@dataclass(slots=True, eq=False)  # a snapshot: equal only to itself; see router.api's docstring
 class EngineView:
     """One engine as policies see it at decision time. Loads in ms of work (Preble's L)."""
 
@@ -51,6 +51,42 @@ class EngineView:
     position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
     window_ms: float = 0.0  # L_i over Preble's window (what rebalancing moves), any load mode
     open_ctx_tokens: float = 0.0  # sum over in-flight requests of input + output / 2 tokens
+
+    def __init__(
+        self,
+        engine_id: str,
+        url: str,
+        profile: CostProfile,
+        inflight: int,
+        load_ms: float,
+        tpot_ms: float,
+        hit_ratio: float,
+        free_bytes: int,
+        pending_prefill_tokens: int,
+        routed_total: int,
+        heartbeat: LoadHeartbeat | None = None,
+        queued_prefill_ms: float = 0.0,
+        next_decode_step_ms: float = 0.0,
+        position: int = 0,
+        window_ms: float = 0.0,
+        open_ctx_tokens: float = 0.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.url = url
+        self.profile = profile
+        self.inflight = inflight
+        self.load_ms = load_ms
+        self.tpot_ms = tpot_ms
+        self.hit_ratio = hit_ratio
+        self.free_bytes = free_bytes
+        self.pending_prefill_tokens = pending_prefill_tokens
+        self.routed_total = routed_total
+        self.heartbeat = heartbeat
+        self.queued_prefill_ms = queued_prefill_ms
+        self.next_decode_step_ms = next_decode_step_ms
+        self.position = position
+        self.window_ms = window_ms
+        self.open_ctx_tokens = open_ctx_tokens
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
@@ -75,7 +111,7 @@ def prefill_cost_ms_for(
     return p
 
 
-@dataclass(slots=True)  # immutable by convention, not frozen: see router.api
+@dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
 class RequestContext:
     """The request plus what the router derived from it once, for every policy."""
 
@@ -83,8 +119,18 @@ class RequestContext:
     key_len: int
     group: int  # prefix group (hash of the key's first bytes): the unit E2 moves/replicates
 
+    def __init__(
+        self,
+        request: RouteRequest,
+        key_len: int,
+        group: int,
+    ) -> None:
+        self.request = request
+        self.key_len = key_len
+        self.group = group
 
-@dataclass(slots=True)  # immutable by convention, not frozen: see router.api
+
+@dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
 class GroupLoad:
     """A prefix group's windowed work on one engine."""
 
@@ -92,8 +138,18 @@ class GroupLoad:
     load_ms: float
     requests: int
 
+    def __init__(
+        self,
+        group: int,
+        load_ms: float,
+        requests: int,
+    ) -> None:
+        self.group = group
+        self.load_ms = load_ms
+        self.requests = requests
 
-@dataclass(slots=True)  # immutable by convention, not frozen: see router.api
+
+@dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
 class Move:
     """Rebalancing feedback: send ``group`` to ``dst`` from now on (``move``), or add ``dst``
     as a replica of a hot ``group`` (``replicate``)."""
@@ -102,6 +158,18 @@ class Move:
     src: str
     dst: str
     kind: Literal["move", "replicate"] = "move"
+
+    def __init__(
+        self,
+        group: int,
+        src: str,
+        dst: str,
+        kind: Literal["move", "replicate"] = "move",
+    ) -> None:
+        self.group = group
+        self.src = src
+        self.dst = dst
+        self.kind = kind
 
 
 class ClusterView(Protocol):
@@ -217,7 +285,8 @@ def top_matched(matched: Mapping[str, int], k: int) -> list[tuple[str, int]]:
     top: list[tuple[str, int]] = []  # best first
     last_e = ""
     last_m = -1
-    for e, m in matched.items():
+    items: dict[str, int] = matched if isinstance(matched, dict) else dict(matched)  # typed loop
+    for e, m in items.items():
         if len(top) == k and (m < last_m or (m == last_m and e > last_e)):
             continue  # not better than the k-th (the common case: one comparison)
         i = len(top)

@@ -49,7 +49,8 @@ Preble's L).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from operator import attrgetter, itemgetter
@@ -101,6 +102,7 @@ TIE_LIMIT = 4  # equally cheap engines considered for the tie-break
 FLOOR_TERMS = 16  # most (profile, matched length) pairs priced for P's lower bound
 P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
 EXPLICIT_CLASS = 4  # a matched length held by at most this many engines: score them up front
+_INF = math.inf  # (mypyc builds float("inf") by parsing the string, every time)
 _COST_POS = itemgetter(0, 1, 2)
 _TOTAL = itemgetter(0)
 _POSITION = attrgetter("position")
@@ -125,7 +127,7 @@ class E2(PolicyBase):
         p_cache = self._p_cache
         if len(p_cache) > P_CACHE_MAX:
             p_cache.clear()
-        worst = [float("inf")]  # smallest SLO excess seen (for the shed's retry-after)
+        worst = [_INF]  # smallest SLO excess seen (for the shed's retry-after)
         due = deadline_s(ctx, now)
 
         def ok(ev: EngineView) -> bool:
@@ -277,7 +279,7 @@ class E2(PolicyBase):
             eager = False
             m_memo: dict[str, float] = {}
             while True:
-                best = float("inf")
+                best = _INF
                 evaluated: list[tuple[float, EngineView, float]] = []  # (total, view, M)
                 for lp, _, ev in pool:
                     if lp > best or lp >= limit or (lp == best and len(evaluated) >= TIE_LIMIT):
@@ -394,6 +396,31 @@ class E2(PolicyBase):
         return tuple(moves)
 
 
+def _holders_by_length(matched: Mapping[str, int]) -> dict[int, int]:
+    """How many engines hold each matched length. Usually one or two lengths occur (a shared
+    system prompt held by most engines): those are counted in typed locals, one comparison per
+    engine; a dict takes the rest."""
+    first, second = -1, -1
+    n_first, n_second = 0, 0
+    rest: dict[int, int] = {}
+    for m in matched.values():
+        if m == first:
+            n_first += 1
+        elif m == second:
+            n_second += 1
+        elif n_first == 0:
+            first, n_first = m, 1
+        elif n_second == 0:
+            second, n_second = m, 1
+        else:
+            rest[m] = rest.get(m, 0) + 1
+    if n_second:
+        rest[second] = n_second
+    if n_first:
+        rest[first] = n_first
+    return rest
+
+
 class _CostOrder:
     """The candidates as ``(L + P, position, view)`` in ascending ``(L + P, L, position)``
     order (equal costs: the lower load first, as the final tie-break prefers), lazily.
@@ -446,9 +473,7 @@ class _CostOrder:
         self._pushed = 0  # a unique fourth key, so the heap never compares views
         self.seen: list[tuple[float, int, EngineView]] = []
         if cache is not None:  # with the prefill term: price every class there may be
-            holders: dict[int, int] = {}  # matched length -> engines holding it
-            for m in matched.values():
-                holders[m] = holders.get(m, 0) + 1
+            holders = _holders_by_length(matched)  # matched length -> engines holding it
             rare = {m for m, n in holders.items() if n <= EXPLICIT_CLASS and m > 0}
             lengths = [m for m in holders if m not in rare]
             if 0 not in holders:
@@ -534,7 +559,7 @@ class _CostOrder:
 
     def _open_floor(self) -> float:
         """The least P of the classes with no engine in the heap (inf: none)."""
-        floor = float("inf")
+        floor = _INF
         in_heap = self._in_heap
         for c, p in enumerate(self._price):
             if in_heap[c] == 0 and p < floor:
