@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import random
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvgate.cost_model import CostProfile, default_profile
 from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.policies.base import EngineView, GroupLoad, RequestContext, top_matched
+from router.policies.e2 import _holders_by_length
 from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
 from router.policies.registry import POLICIES, PolicyError, make_policy
 
@@ -489,3 +491,11 @@ def test_top_matched_is_the_k_longest_then_by_id(matched: dict[str, int], k: int
     want = sorted(matched.items(), key=lambda em: (-em[1], em[0]))[:k]
     assert top_matched(matched, k) == want
     assert top_matched(dict(reversed(matched.items())), k) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=3), st.integers(0, 5), max_size=40))
+def test_holders_by_length_counts_each_matched_length(matched: dict[str, int]) -> None:
+    """E2's explore order counts the holders of each matched length with a typed fast path for
+    the first two lengths; it must equal a plain count."""
+    assert _holders_by_length(matched) == dict(Counter(matched.values()))
