@@ -223,8 +223,10 @@ class ClusterView(Protocol):
         """Engines a hot prefix group is replicated on (empty: not replicated)."""
         ...
 
-    def groups_on(self, engine_id: str) -> Iterable[GroupLoad]:
-        """Prefix groups routed to ``engine_id`` in the window, heaviest first (lazily)."""
+    def groups_on(self, engine_id: str, min_requests: int = 1) -> Iterable[GroupLoad]:
+        """Prefix groups routed to ``engine_id`` in the window with at least ``min_requests``
+        requests, heaviest first (lazily). May leave out groups rebalanced to another engine
+        (their work here is history: no policy can move it)."""
         ...
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:

@@ -367,7 +367,7 @@ class E2(PolicyBase):
         if hi <= 0.0 or hi < cfg.rebalance_ratio * lo:
             return ()
         moves: list[Move] = []
-        for g in view.groups_on(busiest.engine_id):
+        for g in view.groups_on(busiest.engine_id, cfg.min_group_requests):
             if hi < cfg.rebalance_ratio * lo:
                 break
             if g.requests < cfg.min_group_requests:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker.events import (
     AllCleared,
@@ -20,7 +24,7 @@ from broker.events import (
 from engine_reporter.hashing import chain_hashes, split_blocks
 from kvgate.slo import Slo
 from router.api import RouteRequest
-from router.cluster import ClusterConfig
+from router.cluster import ClusterConfig, View, _ExpiryQueue, _LoadOrder
 from router.core import Router, RouterConfig
 from router.policies.base import Move
 
@@ -341,3 +345,90 @@ def test_replicating_a_moved_group_ends_its_override() -> None:
     router.cluster.apply_moves([Move(group, "e1", "e2", "replicate")], 2.0)
     d = router.route(RouteRequest("r2", "m", key, 1024, 8), 2.0)
     assert d.reason == "replicate" and d.engine_id == "e2"  # e1 has r1 in flight: e2 is lighter
+
+
+# ---------------------------------------------------------------- the cluster's ordered tables
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 7),  # engine (its seq)
+            st.sampled_from([0.0, 1.0, 2.5, 2.5, 7.0, float("nan")]),  # equal loads are common
+        ),
+        max_size=60,
+    )
+)
+def test_load_order_is_sorted_by_load_then_registration(updates: list[tuple[int, float]]) -> None:
+    """Re-filing engines under new loads keeps the order of sorting every (load, seq) pair; a
+    NaN load (which would order nowhere) is filed last, as infinity."""
+    order = _LoadOrder()
+    filed: dict[int, float] = {}
+    for seq, load in updates:
+        if seq in filed:
+            order.remove(filed[seq], seq, f"e{seq}")
+        order.insert(load, seq, f"e{seq}")
+        filed[seq] = load
+    expected = sorted((x if x == x else math.inf, s) for s, x in filed.items())
+    assert list(zip(order.loads, order.seqs, strict=True)) == expected
+    assert order.ids == [f"e{s}" for _, s in expected]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("push"), st.sampled_from([1.0, 10.0, 300.0]), st.floats(0, 3)),
+            st.tuples(st.just("back"), st.sampled_from([1.0, 10.0]), st.floats(0, 5)),
+            st.tuples(st.just("pop"), st.just(0.0), st.just(0.0)),
+        ),
+        max_size=80,
+    )
+)
+def test_expiry_queue_pops_in_expiry_order(ops: list[tuple[str, float, float]]) -> None:
+    """Against a heap: pushes with a few durations on a clock that mostly moves forward (and
+    sometimes back), pops interleaved; every pop is the earliest expiry held."""
+    queue = _ExpiryQueue()
+    model: list[tuple[float, int]] = []
+    now = 0.0
+    for handle, (op, duration, dt) in enumerate(ops):
+        if op == "pop":
+            if model:
+                expires, _ = queue.pop()
+                assert expires == heapq.heappop(model)[0]
+            continue
+        now = now + dt if op == "push" else now - dt  # "back": the clock went back
+        queue.push(now + duration, handle, duration)
+        heapq.heappush(model, (now + duration, handle))
+        assert queue.first_expiry() == model[0][0]
+    queue.keep(lambda expires, handle: handle % 2 == 0)
+    assert len(queue) == sum(1 for _, h in model if h % 2 == 0)
+    popped = [queue.pop()[0] for _ in range(len(queue))]
+    assert popped == sorted(e for e, h in model if h % 2 == 0)
+    assert queue.first_expiry() == math.inf
+
+
+def test_groups_on_lists_movable_groups_heaviest_first() -> None:
+    """A group moved away leaves history on every engine that served it: the view lists it
+    only where it now goes, and never a group with fewer requests than asked for."""
+    f = Fleet(n=3)
+    cl = f.router.cluster
+    keys = {g: bytes([70 + g]) * 3000 for g in range(3)}
+    group = {g: cl.group_of(k) for g, k in keys.items()}
+    n = 0
+    for engine, gs in (("e0", (0, 0, 0, 1, 1, 2)), ("e1", (0, 0, 1))):
+        for g in gs:
+            req = RouteRequest(f"q{n}", "m", keys[g] + bytes([n]), 750, 50 * (g + 1))
+            match, matched = cl.match(req.key)
+            cl.record_route(req, engine, match, matched, group[g], 1.0)
+            n += 1
+    view = View(cl, cl.candidates(RouteRequest("x", "m", b"x", 1, 1), 1.0), {}, f.router.rng,
+                model="m", now=1.0)  # fmt: skip
+    listed = [(gl.group, gl.requests) for gl in view.groups_on("e0")]
+    assert listed == [(group[1], 2), (group[0], 3), (group[2], 1)]  # by load: 2 x 100 tokens
+    assert [gl.group for gl in view.groups_on("e0", 2)] == [group[1], group[0]]
+    cl.apply_moves([Move(group[0], "e1", "e2")], 1.0)  # e1's share of group 0 goes to e2
+    assert [gl.group for gl in view.groups_on("e0", 2)] == [group[1]]  # history: not listed
+    assert [gl.group for gl in view.groups_on("e2")] == [group[0]]
+    assert [gl.group for gl in view.groups_on("e1")] == [group[1]]

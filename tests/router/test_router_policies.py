@@ -101,8 +101,8 @@ class FakeView:
     def replicas(self, group: int) -> frozenset[str]:
         return self.reps.get(group, frozenset())
 
-    def groups_on(self, engine_id: str) -> list[GroupLoad]:
-        return self.groups.get(engine_id, [])
+    def groups_on(self, engine_id: str, min_requests: int = 1) -> list[GroupLoad]:
+        return self.groups.get(engine_id, [])  # unfiltered: the policy must skip what it must
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         return self.halves.get(group, (0.0, 0.0))
