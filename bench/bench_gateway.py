@@ -4,7 +4,8 @@
 
 Targets, all fronting the same upstream engines in the same run: ``direct`` (the client spreads
 requests over the engines itself), ``kvgate`` (``kvgate gateway`` as its own process, static
-engines, embedded router; ``kvgate-wN`` the same with ``--workers N``), ``sglang-router`` and
+engines, embedded router; ``kvgate-wN`` the same with ``--workers N``; ``kvgate-busy-poll``
+one worker with the opt-in ``--busy-poll``, see ``gateway/busypoll.py``), ``sglang-router`` and
 ``vllm-router`` (pip packages, round robin). Each runs as its own process on loopback. Every
 kvgate target uses the same real Redis broker (a private ``redis-server`` on a loopback port,
 started by the benchmark unless ``--broker-url`` names one), since more than one worker needs a
@@ -347,11 +348,14 @@ async def run_bench(args: argparse.Namespace) -> dict:
         except RuntimeError:
             _stop(upstream)
             raise
-    for workers in args.workers:
+    variants = [(_kvgate_name(w), w, ()) for w in args.workers]
+    if args.busy_poll:
+        variants.append(("kvgate-busy-poll", 1, ("--busy-poll",)))
+    for name, workers, extra in variants:
         gw_port = free_port()
         targets.append(
             Target(
-                _kvgate_name(workers),
+                name,
                 f"http://{LOOPBACK}:{gw_port}",
                 [
                     py,
@@ -367,12 +371,13 @@ async def run_bench(args: argparse.Namespace) -> dict:
                     "--broker-url",
                     broker_url,
                     "--broker-prefix",
-                    f"kvgate-bench-{os.getpid()}-w{workers}:",
+                    f"kvgate-bench-{os.getpid()}-{name}:",
                     "--policy",
                     args.kvgate_policy,
                     "--no-access-log",
                     "--log-level",
                     "warning",
+                    *extra,
                     *(
                         a
                         for i, u in enumerate(engine_urls)
@@ -564,8 +569,9 @@ def _start_redis(logs: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _summary(targets: dict) -> dict:
-    """The figures the issue's targets are stated in: ``kvgate`` (one worker) at the top level
-    of each mode, every ``kvgate-wN`` target under ``by_workers``."""
+    """The figures the issue's targets are stated in: ``kvgate`` (one worker, default settings)
+    at the top level of each mode, every kvgate target (``kvgate-wN``, ``kvgate-busy-poll``)
+    under ``by_workers``."""
     out: dict = {}
     kv = targets.get("kvgate", {}).get("results")
     sg = targets.get("sglang-router", {}).get("results")
@@ -610,17 +616,17 @@ def _summary(targets: dict) -> dict:
 
 def _print(result: dict) -> None:
     print(
-        f"{'target':<15}{'mode':<12}{'p50 ms':>9}{'p99 ms':>9}{'+p50':>8}{'+p99':>8}"
+        f"{'target':<18}{'mode':<12}{'p50 ms':>9}{'p99 ms':>9}{'+p50':>8}{'+p99':>8}"
         f"{'1st B p50':>10}{'req/s':>8}"
     )
     for name, entry in result["targets"].items():
         if "error" in entry:
-            print(f"{name:<15}error: {entry['error'][:200]}")
+            print(f"{name:<18}error: {entry['error'][:200]}")
             continue
         for mode, m in entry.get("results", {}).items():
             lat = m["latency_ms"]
             print(
-                f"{name:<15}{mode:<12}{lat['p50']:>9.3f}{lat['p99']:>9.3f}"
+                f"{name:<18}{mode:<12}{lat['p50']:>9.3f}{lat['p99']:>9.3f}"
                 f"{m.get('added_p50_ms', 0):>8.3f}{m.get('added_p99_ms', 0):>8.3f}"
                 f"{m['first_byte_ms']['p50']:>10.3f}{m['throughput_rps']:>8.0f}"
             )
@@ -654,6 +660,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[1, 2],
         metavar="N[,N...]",
         help="kvgate targets to run, by `--workers` count (default 1,2; 1 is always run)",
+    )
+    p.add_argument(
+        "--no-busy-poll",
+        dest="busy_poll",
+        action="store_false",
+        help="skip the kvgate-busy-poll target (one worker with --busy-poll)",
     )
     p.add_argument(
         "--broker-url",

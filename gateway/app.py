@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.busypoll import BusyPoll
 from gateway.config import GatewayConfig
 from gateway.errors import error_response, from_request_error
 from gateway.httpserver import (
@@ -131,6 +132,7 @@ class Gateway:
         self.reports: asyncio.Queue[tuple[str, str, Outcome]] = asyncio.Queue(maxsize=10_000)
         self.log_once = LogOnce(log, every_s=60.0)
         self.open_streams = 0
+        self.busy_poll = BusyPoll() if self.config.busy_poll else None
         self.pid = str(os.getpid())  # which worker answered (``--workers N``)
         # Request ids: random, not secret. Seeded per Gateway, so forked workers differ; one
         # getrandom() syscall per request was a visible cost.
@@ -292,6 +294,8 @@ class Gateway:
     async def stop(self) -> None:
         """Stop the periodic jobs and close the upstream connections."""
         tasks, self._tasks = self._tasks, []
+        if self.busy_poll is not None:
+            self.busy_poll.close()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -380,6 +384,9 @@ class Gateway:
         rid = request.headers.get(REQUEST_ID) or f"{self._ids.getrandbits(128):032x}"
         token = request_id_var.set(rid)
         status = 499  # a cancelled handler: the client went away
+        busy = self.busy_poll
+        if busy is not None:
+            busy.enter()
         try:
             try:
                 resp = await self._proxy(request, route, rid, start)
@@ -388,6 +395,8 @@ class Gateway:
             status = resp.status
             return resp
         finally:
+            if busy is not None:
+                busy.leave()
             m = self.metrics
             m.child(m.requests, route.path, str(status)).inc()
             if self.config.access_log and log.isEnabledFor(logging.INFO):

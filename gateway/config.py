@@ -53,6 +53,7 @@ class GatewayConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     default_max_tokens: int = 256  # routing estimate when a request states no max_tokens
     bytes_per_token: float = 4.0  # routing estimate of input tokens from key bytes
+    busy_poll: bool = False  # poll without sleeping while requests are open (gateway.busypoll)
 
 
 def _check_url(url: str, what: str) -> str:

@@ -288,3 +288,36 @@ async def test_engine_with_unusable_url_is_a_failure_not_a_crash() -> None:
         status, _, body = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
         err = orjson.loads(body)["error"]
         assert status == 502 and "unusable URL" in err["message"]
+
+
+async def test_busy_poll_spins_only_while_requests_are_open() -> None:
+    hold = asyncio.Event()
+    cfg = GatewayConfig(health_interval_s=0.2, refresh_interval_s=0.2, busy_poll=True)
+    async with gateway_stack(1, config=cfg, hold=hold) as st, aiohttp.ClientSession() as s:
+        busy = st.gateway.busy_poll
+        assert busy is not None and not busy.spinning  # nothing open: nothing spins
+        body = {"model": MODEL, "prompt": "p", "stream": True}
+        async with s.post(st.url + "/v1/completions", json=body) as r:
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+            assert busy.spinning
+            turns = busy.turns
+            await asyncio.sleep(0.05)  # the stream is held open upstream
+            assert busy.turns > turns + 10  # the loop kept turning without sleeping
+            hold.set()
+            assert (await r.read()).endswith(b"data: [DONE]\n\n")
+        await wait_until(lambda: not busy.spinning)
+        idle_turns = busy.turns
+        await asyncio.sleep(0.05)
+        assert busy.turns == idle_turns
+        hold.clear()
+        async with s.post(st.url + "/v1/completions", json=body) as r:  # a client that leaves
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+            assert busy.spinning
+            r.close()
+        await wait_until(lambda: not busy.spinning)
+        hold.set()
+        status, _, _ = await post(s, st.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status == 200
+        await wait_until(lambda: not busy.spinning)
+    async with gateway_stack(1) as st:
+        assert st.gateway.busy_poll is None  # off by default
