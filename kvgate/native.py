@@ -41,6 +41,7 @@ MODULES = (
     "kvgate.cost_model",
     "router.api",
     "router.tree",
+    "router.keytree",
     "router.cluster",
     "router.core",
     "router.policies.base",

@@ -46,13 +46,14 @@ from broker.events import (
 from engine_reporter.hashing import block_hash
 from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
 from router.api import EngineInfo, RouteRequest
+from router.keytree import KeyNode, KeyTree
 from router.policies.base import LOAD_MODES, EngineView, GroupLoad, Move, Rng
 from router.policies.feasibility import (
     next_decode_step_ms,
     queued_prefill_ms,
     queued_prefill_tokens,
 )
-from router.tree import Match, Node, RadixTree
+from router.tree import Match, RadixTree
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,12 +193,13 @@ class _ExpiryQueue:
     never goes back, so the records of one duration arrive in expiry order: each duration is a
     FIFO lane, pushed and popped in O(1), where a heap paid ~26 tuple comparisons per record at
     the benchmark's ~10,000 records. A record that would break its lane's order (a clock that
-    went back) goes to a heap. Equal expiries pop in lane order, then by handle."""
+    went back) goes to a heap. Equal expiries pop by handle."""
 
-    __slots__ = ("_heap", "_lanes", "_size")
+    __slots__ = ("_heap", "_lanes", "_order", "_size")
 
     def __init__(self) -> None:
-        self._lanes: dict[float, deque[tuple[float, int]]] = {}
+        self._lanes: dict[float, deque[tuple[float, int]]] = {}  # duration -> its lane
+        self._order: list[deque[tuple[float, int]]] = []  # the lanes, for a typed scan
         self._heap: list[tuple[float, int]] = []
         self._size = 0
 
@@ -208,6 +210,7 @@ class _ExpiryQueue:
         lane = self._lanes.get(duration)
         if lane is None and len(self._lanes) < MAX_LANES:
             lane = self._lanes[duration] = deque()
+            self._order.append(lane)
         if lane is None or (lane and lane[-1][0] > expires):
             heapq.heappush(self._heap, (expires, handle))
         else:
@@ -215,13 +218,21 @@ class _ExpiryQueue:
         self._size += 1
 
     def _first(self) -> deque[tuple[float, int]] | None:
-        """The lane holding the earliest record (None: the heap does, or nothing is held)."""
+        """The lane holding the earliest record (None: the heap does, or nothing is held);
+        compares the expiries as floats, the handles only on a tie."""
         best: deque[tuple[float, int]] | None = None
-        for lane in self._lanes.values():
-            if lane and (best is None or lane[0] < best[0]):
-                best = lane
-        if self._heap and (best is None or self._heap[0] < best[0]):
-            return None
+        best_t = math.inf
+        best_h = 0
+        for lane in self._order:
+            if lane:
+                t, h = lane[0]
+                if best is None or t < best_t or (t == best_t and h < best_h):
+                    best, best_t, best_h = lane, t, h
+        heap = self._heap
+        if heap:
+            t, h = heap[0]
+            if best is None or t < best_t or (t == best_t and h < best_h):
+                return None
         return best
 
     def first_expiry(self) -> float:
@@ -231,16 +242,34 @@ class _ExpiryQueue:
         lane = self._first()
         return lane[0][0] if lane is not None else self._heap[0][0]
 
+    def pop_due(self, now: float) -> tuple[float, int] | None:
+        """Remove and return the earliest record if it expires at or before ``now`` (one scan
+        of the lanes, not one to look and one to pop)."""
+        if not self._size:
+            return None
+        lane = self._first()
+        if lane is not None:
+            if lane[0][0] > now:
+                return None
+            self._size -= 1
+            return lane.popleft()
+        if self._heap[0][0] > now:
+            return None
+        self._size -= 1
+        return heapq.heappop(self._heap)
+
     def pop(self) -> tuple[float, int]:
         """Remove and return the earliest record (the queue must not be empty)."""
-        lane = self._first()
-        self._size -= 1
-        return lane.popleft() if lane is not None else heapq.heappop(self._heap)
+        record = self.pop_due(math.inf)
+        if record is None:
+            raise IndexError("pop from an empty expiry queue")
+        return record
 
     def keep(self, wanted: Callable[[float, int], bool]) -> None:
         """Drop every record for which ``wanted(expiry, handle)`` is false."""
         for duration, lane in list(self._lanes.items()):
             self._lanes[duration] = deque(r for r in lane if wanted(r[0], r[1]))
+        self._order = list(self._lanes.values())
         self._heap = [r for r in self._heap if wanted(r[0], r[1])]
         heapq.heapify(self._heap)
         self._size = len(self._heap) + sum(len(lane) for lane in self._lanes.values())
@@ -249,16 +278,16 @@ class _ExpiryQueue:
 class Speculative:
     """Keys the router routed, counted as cached on their engine until they expire.
 
-    A reference-counted :class:`RadixTree`, the live entries and a queue of expiries; bounded
-    by ``max_entries`` (the earliest-expiring go first). An entry's expiry can be brought
-    forward (:meth:`settle`: its request ended, so the engine's own KV events take over); the
-    queue then holds a superseded record, skipped when it comes up."""
+    A :class:`KeyTree` (whole keys, reference-counted), the live entries and a queue of
+    expiries; bounded by ``max_entries`` (the earliest-expiring go first). An entry's expiry
+    can be brought forward (:meth:`settle`: its request ended, so the engine's own KV events
+    take over); the queue then holds a superseded record, skipped when it comes up."""
 
     def __init__(self, max_entries: int) -> None:
-        self.tree = RadixTree(budget_bytes=1 << 62)
+        self.tree = KeyTree()
         self._queue = _ExpiryQueue()  # (expiry, handle), superseded ones included
         # handle -> (expiry, engine, key, the node the key ends at)
-        self._live: dict[int, tuple[float, str, bytes, Node | None]] = {}
+        self._live: dict[int, tuple[float, str, bytes, KeyNode | None]] = {}
         self._stale = 0  # superseded records in the queue
         self._seq = 0
         self.max_entries = max_entries
@@ -271,7 +300,7 @@ class Speculative:
         (0: nothing added)."""
         if not key:
             return 0
-        end = self.tree.add_key(engine, key, now)
+        end = self.tree.add(engine, key)
         self._seq += 1
         expires = now + ttl
         self._live[self._seq] = (expires, engine, key, end)
@@ -297,25 +326,29 @@ class Speculative:
         entry = self._live.get(handle)
         return entry is not None and entry[0] == expires
 
-    def _pop(self) -> None:
-        """Remove the queue's first record; drop its entry if the record is the current one."""
-        expires, handle = self._queue.pop()
+    def _pop(self, now: float = math.inf) -> bool:
+        """Remove the queue's first record if it expires by ``now`` (False: none does); drop
+        its entry if the record is the current one."""
+        record = self._queue.pop_due(now)
+        if record is None:
+            return False
+        expires, handle = record
         entry = self._live.get(handle)
         if entry is not None and entry[0] == expires:
             del self._live[handle]
-            self.tree.drop_key(entry[1], entry[2], entry[3])
+            self.tree.drop(entry[1], entry[2], entry[3])
         elif self._stale:
             self._stale -= 1
+        return True
 
     def expire(self, now: float) -> None:
-        queue = self._queue
-        while queue.first_expiry() <= now:
-            self._pop()
+        while self._pop(now):
+            pass
 
     def clear_engine(self, engine: str) -> None:
         for handle in [h for h, entry in self._live.items() if entry[1] == engine]:
             _, _, key, end = self._live.pop(handle)
-            self.tree.drop_key(engine, key, end)
+            self.tree.drop(engine, key, end)
         self._queue.keep(self._current)
         self._stale = 0
 
@@ -528,7 +561,7 @@ class Cluster:
         m = self.tree.match(key)
         if len(self.spec):  # merged into the match's own (new) dict: no copy
             merged = m.per_engine
-            for e, v in self.spec.tree.match(key).per_engine.items():
+            for e, v in self.spec.tree.match(key).items():
                 if v > merged.get(e, 0):
                     merged[e] = v
         return m, m.per_engine
@@ -926,6 +959,50 @@ class View:
             if eng is not None and engine_id not in exclude:
                 yield eng.view or view(eng)
 
+    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
+        """The least and the most loaded candidates by ``load_ms`` (``window``: ``window_ms``),
+        equal loads resolved to the lowest position for both (as ``min``/``max`` over
+        :attr:`engines`); None without candidates. Direct index walks from both ends of the
+        sorted order: rebalancing asks after every decision, and two generators (one over a
+        ``reversed`` list) cost more than the answer."""
+        cl = self._cluster
+        cl._sync_loads()
+        order = cl._by_window if window else cl._by_load
+        ids = order.ids
+        loads = order.loads
+        eligible = self._eligible
+        exclude = self._exclude
+        n = len(ids)
+        i = 0
+        least: _Engine | None = None
+        while i < n:
+            least = eligible.get(ids[i])
+            if least is not None and (not exclude or ids[i] not in exclude):
+                break
+            least = None
+            i += 1
+        if least is None:
+            return None
+        j = n - 1
+        busiest = least
+        while j > i:
+            eng = eligible.get(ids[j])
+            if eng is not None and (not exclude or ids[j] not in exclude):
+                busiest = eng
+                break
+            j -= 1
+        top = loads[j]
+        k = j - 1
+        while k >= i and loads[k] == top:  # equal loads sort by position: the first of them
+            eng = eligible.get(ids[k])
+            if eng is not None and (not exclude or ids[k] not in exclude):
+                busiest = eng
+            k -= 1
+        return (
+            least.view or cl.engine_view(least),
+            busiest.view or cl.engine_view(busiest),
+        )
+
     def min_routed(self) -> int:
         """The fewest requests ever routed to one candidate (E2's warm-up). Counts only grow,
         so the minimum is cached per eligible set and recomputed only when its holder moved."""
@@ -1015,10 +1092,9 @@ class View:
         return r[0] if r is not None else frozenset()
 
     def groups_on(self, engine_id: str, min_requests: int = 1) -> Iterator[GroupLoad]:
-        """Heaviest first, lazily: a heap of plain tuples, a GroupLoad only for each group read
-        (rebalancing runs after every decision while loads are uneven, and usually reads a
-        few of the busiest engine's groups, not all). Groups rebalanced to another engine are
-        left out (their work here is history: new requests go there). Why both filters: a hot
+        """Heaviest first (equal loads: the lower group id first), a GroupLoad only for each
+        group read. Groups rebalanced to another engine are left out (their work here is
+        history: new requests go there), and so are groups under ``min_requests``. Why: a hot
         prefix spread over many engines and moved from one leaves history on all the others;
         the busiest of them then lists only such groups, and rebalancing, which runs after
         every decision while it stays the busiest, popped them all each time (~30 us a
@@ -1028,18 +1104,35 @@ class View:
             return
         tpot = eng.tpot_ms
         overrides = self._cluster._overrides
-        heap: list[tuple[float, int, int]] = []
+        groups: list[int] = []
+        loads: list[float] = []
+        requests: list[int] = []
         for g, w in eng.groups.items():
             if w.requests < min_requests or w.requests <= 0:
                 continue
-            o = overrides.get(g) if overrides else None
-            if o is not None and o[0] != engine_id:
-                continue
-            heap.append((-(w.prefill_ms + w.out_tokens * tpot), g, w.requests))
-        heapq.heapify(heap)  # equal loads: the lower group id first
-        while heap:
-            neg_load, group, requests = heapq.heappop(heap)
-            yield GroupLoad(group, -neg_load, requests)
+            if overrides:
+                o = overrides.get(g)
+                if o is not None and o[0] != engine_id:
+                    continue
+            groups.append(g)
+            loads.append(w.prefill_ms + w.out_tokens * tpot)
+            requests.append(w.requests)
+        n = len(groups)
+        if not n:
+            return
+        # the heaviest by one typed pass: rebalancing usually reads one group and stops
+        first = 0
+        for i in range(1, n):
+            if loads[i] > loads[first] or (loads[i] == loads[first] and groups[i] < groups[first]):
+                first = i
+        yield GroupLoad(groups[first], loads[first], requests[first])
+        # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
+        # without generic rich comparisons), group id ascending, then stably by load descending
+        order = sorted(range(n), key=groups.__getitem__)
+        order.sort(key=loads.__getitem__, reverse=True)
+        for i in order:
+            if i != first:
+                yield GroupLoad(groups[i], loads[i], requests[i])
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         dq = self._cluster._ttfts.get(group)

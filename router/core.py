@@ -160,7 +160,6 @@ class Router:
                 }
             )
         ts = cl.tree.stats()
-        ss = cl.spec.tree.stats()
         return {
             "policy": self.policy.name,
             "engines": engines,
@@ -174,7 +173,11 @@ class Router:
                 "dropped_nodes": ts.dropped_nodes,
                 "orphan_chains": ts.orphan_chains,
             },
-            "speculative": {"entries": len(cl.spec), "nodes": ss.nodes, "bytes": ss.bytes},
+            "speculative": {
+                "entries": len(cl.spec),
+                "nodes": cl.spec.tree.nodes - 1,  # (not counting the root)
+                "bytes": cl.spec.tree.total_bytes,
+            },
             "hits": {
                 "routed_key_bytes": self.routed_key_bytes,
                 "routed_matched_bytes": self.routed_matched_bytes,

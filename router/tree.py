@@ -23,9 +23,8 @@ engine's blocks below it. ``match(key)`` gives, per engine, the longest common p
 with any of its strings. Limitation: when one block's bytes are a strict byte-prefix of a sibling
 block's bytes (never with fixed-size blocks), removing the shorter one drops the longer one too.
 
-Two kinds of coverage share the structure: block coverage (``apply_stored``/``apply_removed``)
-and reference-counted key coverage (``add_key``/``drop_key``) for the router's own speculative
-and approximate entries; a tree instance uses one kind.
+The router's own speculative and approximate entries (whole keys, reference-counted) live in
+:class:`router.keytree.KeyTree`, not here.
 """
 
 from __future__ import annotations
@@ -44,16 +43,17 @@ _LEN_MASK = (1 << _LEN_BITS) - 1
 _EMPTY: frozenset[str] = frozenset()
 
 
-def lcp_at(a: bytes, ai: int, b: bytes, bi: int, n: int) -> int:
+def lcp_at(a: bytes | memoryview, ai: int, b: bytes, bi: int, n: int) -> int:
     """Length of the common prefix of ``a[ai:ai+n]`` and ``b[bi:bi+n]`` (both at least n long).
 
-    Galloping: compare growing windows (64, 256, 1024, ... bytes) with C ``memcmp`` of two slices
+    Galloping: test growing windows (64, 256, 1024, ... bytes) with ``b.startswith(window of
+    a, offset)`` (C ``memcmp``, no copy of ``b``; a zero-copy slice when ``a`` is a memoryview)
     until one differs, then binary-search inside it; cost O(answer) bytes in O(log) Python steps.
     (``int.from_bytes`` XOR and memoryview equality are both an order of magnitude slower.)"""
     lo, step = 0, 64
     while True:
         hi = lo + step if lo + step < n else n
-        if a[ai + lo : ai + hi] != b[bi + lo : bi + hi]:
+        if not b.startswith(a[ai + lo : ai + hi], bi + lo):
             break
         if hi == n:
             return n
@@ -61,7 +61,7 @@ def lcp_at(a: bytes, ai: int, b: bytes, bi: int, n: int) -> int:
     hi -= 1  # the answer is in [lo, hi)
     while lo < hi:
         mid = (lo + hi + 1) >> 1
-        if a[ai + lo : ai + mid] == b[bi + lo : bi + mid]:
+        if b.startswith(a[ai + lo : ai + mid], bi + lo):
             lo = mid
         else:
             hi = mid - 1
@@ -213,7 +213,6 @@ class Node:
 
     __slots__ = (
         "children",
-        "counts",
         "dead",
         "end",
         "full",
@@ -236,7 +235,6 @@ class Node:
         self.children: dict[int, Node] | None = None
         self.full: set[str] | None = None
         self.partial: dict[str, int] | None = None
-        self.counts: dict[str, int] | None = None
         self.last_access = now
         self.hits = 0.0
         self.hits_t = now
@@ -347,9 +345,6 @@ class RadixTree:
         upper.children = {node.label[0]: node}
         if node.full:
             upper.full = set(node.full)
-        if node.counts:
-            upper.counts = dict(node.counts)
-            upper.full = set(node.counts)
         if node.partial:
             lower_partial = {}
             for engine, cov in node.partial.items():
@@ -384,7 +379,7 @@ class RadixTree:
         del parent.children[node.label[0]]
         if not parent.children:
             parent.children = None
-            if parent is not self.root and not parent.held() and not parent.counts:
+            if parent is not self.root and not parent.held():
                 self._unheld[parent] = None
         self._unheld.pop(node, None)
         self.total_bytes -= len(node.label)
@@ -605,86 +600,20 @@ class RadixTree:
                 node.partial.pop(engine, None)
                 if not node.partial:
                     node.partial = None
-            if node.counts is not None:
-                node.counts.pop(engine, None)
-                if not node.counts:
-                    node.counts = None
             if node.children is None and not node.held() and node is not self.root:
                 self._unheld[node] = None
-
-    # ------------------------------------------------------------------ key coverage
-
-    def add_key(self, engine: str, key: bytes, now: float) -> Node | None:
-        """Reference-counted coverage of the whole ``key`` for ``engine`` (speculative and
-        approximate entries); undo with :meth:`drop_key`. Returns the node the key ends at
-        (None for an empty key): it stays the key's last node while the reference lives
-        (splits keep a node as the lower half), so dropping can walk up from it."""
-        if not key:
-            return None
-        path, last_off = self._ensure(self.root, 0, key, now)
-        last = path[-1]
-        if last_off < len(last.label):  # keys end on node boundaries: split at the end
-            self._split(last, last_off, now)
-            path[-1] = last.parent  # type: ignore[assignment]
-        held = self.held_bytes
-        unheld = self._unheld
-        for node in path:  # (key coverage keeps no LRU order: nothing evicts by it)
-            counts = node.counts
-            if counts is None:
-                counts = node.counts = {}
-                node.full = set()
-            c = counts.get(engine, 0)
-            counts[engine] = c + 1
-            if c == 0:
-                node.full.add(engine)  # type: ignore[union-attr]
-                held[engine] = held.get(engine, 0) + len(node.label)
-                if unheld:
-                    unheld.pop(node, None)
-            node.last_access = now
-        return path[-1]
-
-    def drop_key(self, engine: str, key: bytes, end: Node | None = None) -> None:
-        """Release one :meth:`add_key` reference; nodes nobody references are deleted. With
-        ``end`` (what :meth:`add_key` returned) the path is found by walking up from it, not
-        by comparing the key's bytes again."""
-        path = []
-        if end is not None and not end.dead and end.end == len(key):
-            up: Node | None = end
-            while up is not None and up is not self.root:
-                path.append(up)
-                up = up.parent
-            path.reverse()
-        else:
-            node = self.root
-            pos = 0
-            while pos < len(key):
-                child = node.children.get(key[pos]) if node.children else None
-                if child is None or not key.startswith(child.label, pos):
-                    break
-                path.append(child)
-                pos += len(child.label)
-                node = child
-        for node in reversed(path):
-            counts = node.counts
-            if not counts or engine not in counts:
-                continue
-            if counts[engine] > 1:
-                counts[engine] -= 1
-                continue
-            del counts[engine]
-            node.full.discard(engine)  # type: ignore[union-attr]
-            self.held_bytes[engine] -= len(node.label)
-            if not counts:
-                node.counts = None
-                node.full = None
-                if node.children is None:
-                    self._drop_node(node)
 
     # ------------------------------------------------------------------ queries
 
     def match(self, key: bytes) -> Match:
         """Per engine, how many leading bytes of ``key`` it holds (engines holding none are
-        absent); cost: one C comparison and one set intersection per node walked."""
+        absent); cost: one C comparison and a few C set/dict operations per node walked.
+
+        Caches are prefix-closed, so an engine holding any of a node holds all of its parent:
+        below the first node the engines still matching are exactly the current node's
+        ``full`` set (no intersections), and the ones that stop are the parent's ``full`` minus
+        it (``partial`` ones inside the node). The result dict is filled from those sets with
+        ``dict.fromkeys`` (sized once, at C speed) rather than one insertion per engine."""
         out: dict[str, int] = {}
         path: list[Node] = []
         node = self.root
@@ -703,30 +632,22 @@ class RadixTree:
             path.append(child)
             full = child.full or _EMPTY
             partial = child.partial
-            if alive is None:
-                nxt = full  # never mutated below: every later set is a new one
-                if partial:
-                    for e, cov in partial.items():
-                        out[e] = cov if cov < m else m
-            else:
-                nxt = alive & full
-                if len(nxt) != len(alive):
-                    for e in alive:  # the engines whose full coverage ends here
-                        if e not in nxt:
-                            cov = partial.get(e, 0) if partial else 0
-                            out[e] = pos + (cov if cov < m else m)
+            if alive is not None and len(full) != len(alive):
+                out.update(dict.fromkeys(alive - full, pos))  # they stop here ...
+            if partial:  # ... or inside the label
+                for e, cov in partial.items():
+                    out[e] = pos + (cov if cov < m else m)
             if m < size:
-                for e in nxt:
-                    out[e] = pos + m
+                if full:
+                    out.update(dict.fromkeys(full, pos + m))
                 return Match(out, path, pos + m)
             pos += size
-            alive = nxt
+            alive = full
             node = child
             if not alive:
                 break
         if alive:
-            for e in alive:
-                out[e] = pos
+            out.update(dict.fromkeys(alive, pos))
         return Match(out, path, pos)
 
     def touch(self, match: Match, engine: str | None, upto: int, now: float) -> None:
@@ -763,7 +684,7 @@ class RadixTree:
             if self.total_bytes <= self.budget_bytes and node.last_access > horizon:
                 break
             self._unheld.pop(node)
-            if node.dead or node.children or node.held() or node.counts:
+            if node.dead or node.children or node.held():
                 continue
             self._drop_node(node)
             dropped += 1

@@ -151,7 +151,7 @@ def decision_from_json(body: Any) -> Decision:
             reason=cast(Reason, reason),
             policy=str(body.get("policy", "")),
             matched_bytes=int(body.get("matched_bytes", 0)),
-            candidates=cands,
+            listing=cands,
             retry_after_s=None if retry is None else float(retry),
             detail=str(body.get("detail", "")),
         )

@@ -16,7 +16,7 @@ from typing import ClassVar, Literal, Protocol
 
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
-from router.api import Candidate, Decision, Reason, RouteRequest
+from router.api import Candidate, Decision, Listing, Reason, RouteRequest
 
 # E2's L_i: over the work still outstanding (in-flight requests) or Preble's 3-minute window
 LOAD_MODES = ("outstanding", "window")
@@ -197,6 +197,11 @@ class ClusterView(Protocol):
         both descending), lazily: policies read the first few instead of scoring all."""
         ...
 
+    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
+        """The least and the most loaded candidates by ``load_ms`` (``window``: by
+        ``window_ms``); equal loads: the lowest position for both (None: no candidate)."""
+        ...
+
     def min_routed(self) -> int:
         """The fewest requests ever routed to one candidate (0 with none)."""
         ...
@@ -314,6 +319,26 @@ def by_inflight(ev: EngineView) -> tuple[int, float]:
     return (ev.inflight, ev.load_ms)
 
 
+class MatchedListing:
+    """The default listing (:class:`router.api.Listing`): the engines holding the most of the
+    key (at most ``MAX_LISTED``, with matched bytes) and the chosen one. ``matched`` is the
+    decision's own map, which nothing changes afterwards."""
+
+    __slots__ = ("chosen", "matched")
+
+    def __init__(self, matched: Mapping[str, int], chosen: str) -> None:
+        self.matched = matched
+        self.chosen = chosen
+
+    def candidates(self) -> tuple[Candidate, ...]:
+        matched = self.matched
+        items = top_matched(matched, MAX_LISTED)  # (sorted: matched's order is not stable)
+        listed = [Candidate(e, m) for e, m in items if m > 0]
+        if not any(c.engine_id == self.chosen for c in listed):
+            listed.append(Candidate(self.chosen, matched.get(self.chosen, 0)))
+        return tuple(listed)
+
+
 def decide(
     policy: str,
     reason: Reason,
@@ -321,22 +346,24 @@ def decide(
     view: ClusterView,
     *,
     candidates: Sequence[Candidate] = (),
+    listing: Listing | None = None,
     detail: str = "",
 ) -> Decision:
-    """A Decision for ``chosen``; without explicit candidates, the engines holding the most of
-    the key (at most ``MAX_LISTED``) and the chosen one are listed with their matched bytes."""
-    if not candidates:
-        matched = view.matched
-        items = top_matched(matched, MAX_LISTED)  # (sorted: matched's order is not stable)
-        candidates = [Candidate(e, m) for e, m in items if m > 0]
-        if not any(c.engine_id == chosen.engine_id for c in candidates):
-            candidates.append(Candidate(chosen.engine_id, matched.get(chosen.engine_id, 0)))
+    """A Decision for ``chosen``, listing ``candidates``, or what ``listing`` builds when read,
+    or by default a :class:`MatchedListing`."""
+    listed: tuple[Candidate, ...] | Listing
+    if candidates:
+        listed = tuple(candidates)
+    elif listing is not None:
+        listed = listing
+    else:
+        listed = MatchedListing(view.matched, chosen.engine_id)
     return Decision(
         engine_id=chosen.engine_id,
         url=chosen.url,
         reason=reason,
         policy=policy,
         matched_bytes=view.matched.get(chosen.engine_id, 0),
-        candidates=tuple(candidates),
+        listing=listed,
         detail=detail,
     )

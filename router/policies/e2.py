@@ -50,7 +50,7 @@ Preble's L).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from operator import attrgetter, itemgetter
@@ -318,30 +318,20 @@ class E2(PolicyBase):
                 eager = True
             if not evaluated:
                 continue
-            # explain, from what was scored anyway: the chosen, the next cheapest scored, and
-            # the engines holding the most of the key (no extra engine is scored for this)
-            evaluated.sort(key=_TOTAL)
-            m_of = {t[1].engine_id: t[2] for t in evaluated}
-            listed = [chosen, *(t[1] for t in evaluated[: cfg.max_candidates])]
-            for engine_id, _ in top_matched(matched, cfg.max_candidates):
-                if (hv := view.engine(engine_id)) is not None:
-                    listed.append(hv)
-            cands: dict[str, Candidate] = {}
-            for ev in listed:
-                if ev.engine_id not in cands:
-                    cands[ev.engine_id] = Candidate(
-                        ev.engine_id,
-                        get(ev.engine_id, 0),
-                        ev.load_ms,
-                        m_of.get(ev.engine_id, 0.0),
-                        p_of(ev),
-                    )
             return decide(
                 self.name,
                 reason or pool_reason,
                 chosen,
                 view,
-                candidates=list(cands.values()),
+                listing=_ExploreListing(
+                    chosen,
+                    evaluated,
+                    matched,
+                    view.engines,
+                    key_len,
+                    cfg.max_candidates,
+                    p_cache if cfg.prefill_term else None,
+                ),
                 detail=detail,
             )
         return None
@@ -354,22 +344,15 @@ class E2(PolicyBase):
             return ()
         # the least and the most loaded (equal loads: the first in engine order, as min/max)
         # Preble's rule on the windowed L (the work a move re-attributes), in any load mode
-        least = next(view.by_load(window=True))
-        busiest = next(view.by_load(descending=True, window=True))
-        if busiest.window_ms == least.window_ms:  # all equal: max() would take the first
-            busiest = least
-        else:  # equal loads come last-position first here; max() takes the first position
-            for ev in view.by_load(descending=True, window=True):
-                if ev.window_ms != busiest.window_ms:
-                    break
-                busiest = ev
+        extremes = view.load_extremes(window=True)
+        if extremes is None:
+            return ()
+        least, busiest = extremes
         hi, lo = busiest.window_ms, least.window_ms
         if hi <= 0.0 or hi < cfg.rebalance_ratio * lo:
             return ()
         moves: list[Move] = []
         for g in view.groups_on(busiest.engine_id, cfg.min_group_requests):
-            if hi < cfg.rebalance_ratio * lo:
-                break
             if g.requests < cfg.min_group_requests:
                 continue
             # a group moved here earlier may move on (else the target of a move can only pile
@@ -393,7 +376,59 @@ class E2(PolicyBase):
             moves.append(Move(g.group, busiest.engine_id, least.engine_id))
             hi -= g.load_ms
             lo += g.load_ms
+            if hi < cfg.rebalance_ratio * lo:  # balanced: stop before reading another group
+                break
         return tuple(moves)
+
+
+class _ExploreListing:
+    """Explore's candidates (a ``router.api.Listing``), built when first read from what was
+    scored anyway: the chosen, the next cheapest scored, and the engines holding the most of the
+    key (no extra engine is scored for this; M is listed as 0 for an unscored one). It keeps the
+    decision-time inputs, which nothing changes afterwards: the scored ``(total, view, M)``
+    tuples, the decision's matched map and candidate list (immutable ``EngineView`` snapshots),
+    and P's memo (a pure function's: a value it lost is recomputed the same)."""
+
+    __slots__ = ("chosen", "engines", "evaluated", "key_len", "limit", "matched", "p_cache")
+
+    def __init__(
+        self,
+        chosen: EngineView,
+        evaluated: list[tuple[float, EngineView, float]],
+        matched: Mapping[str, int],
+        engines: Sequence[EngineView],
+        key_len: int,
+        limit: int,
+        p_cache: PrefillCache | None,
+    ) -> None:
+        self.chosen = chosen
+        self.evaluated = evaluated
+        self.matched = matched
+        self.engines = engines
+        self.key_len = key_len
+        self.limit = limit
+        self.p_cache = p_cache  # None: without the prefill term (P listed as 0)
+
+    def candidates(self) -> tuple[Candidate, ...]:
+        matched = self.matched
+        evaluated = sorted(self.evaluated, key=_TOTAL)
+        m_of = {t[1].engine_id: t[2] for t in evaluated}
+        listed = [self.chosen, *(t[1] for t in evaluated[: self.limit])]
+        top = top_matched(matched, self.limit)
+        if top:
+            by_id = {ev.engine_id: ev for ev in self.engines}
+            for engine_id, _ in top:
+                if (hv := by_id.get(engine_id)) is not None:
+                    listed.append(hv)
+        cands: dict[str, Candidate] = {}
+        p_cache = self.p_cache
+        for ev in listed:
+            eid = ev.engine_id
+            if eid not in cands:
+                m = matched.get(eid, 0)
+                p = prefill_cost_ms(ev, self.key_len, m, p_cache) if p_cache is not None else 0.0
+                cands[eid] = Candidate(eid, m, ev.load_ms, m_of.get(eid, 0.0), p)
+        return tuple(cands.values())
 
 
 def _holders_by_length(matched: Mapping[str, int]) -> dict[int, int]:

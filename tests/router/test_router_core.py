@@ -116,7 +116,7 @@ def test_speculative_entry_settles_when_its_request_ends_on_a_reporting_engine()
     assert cl.match(keys["open"])[1] == {engines["open"]: len(keys["open"])}
     assert cl.match(keys["done"])[1] == {}
     cl.expire(11.5)
-    assert len(cl.spec) == 0 and cl.spec.tree.stats().bytes == 0
+    assert len(cl.spec) == 0 and cl.spec.tree.total_bytes == 0 and cl.spec.tree.nodes == 1
 
 
 def test_speculative_entry_of_an_engine_without_kv_events_outlives_its_request() -> None:
@@ -382,21 +382,28 @@ def test_load_order_is_sorted_by_load_then_registration(updates: list[tuple[int,
             st.tuples(st.just("push"), st.sampled_from([1.0, 10.0, 300.0]), st.floats(0, 3)),
             st.tuples(st.just("back"), st.sampled_from([1.0, 10.0]), st.floats(0, 5)),
             st.tuples(st.just("pop"), st.just(0.0), st.just(0.0)),
+            st.tuples(st.just("due"), st.just(0.0), st.floats(0, 400)),
         ),
         max_size=80,
     )
 )
 def test_expiry_queue_pops_in_expiry_order(ops: list[tuple[str, float, float]]) -> None:
     """Against a heap: pushes with a few durations on a clock that mostly moves forward (and
-    sometimes back), pops interleaved; every pop is the earliest expiry held."""
+    sometimes back), pops interleaved; every pop is the earliest record held (equal expiries:
+    the lower handle), and ``pop_due(t)`` pops it only if it expires by ``t``."""
     queue = _ExpiryQueue()
     model: list[tuple[float, int]] = []
     now = 0.0
     for handle, (op, duration, dt) in enumerate(ops):
         if op == "pop":
             if model:
-                expires, _ = queue.pop()
-                assert expires == heapq.heappop(model)[0]
+                assert queue.pop() == heapq.heappop(model)
+            continue
+        if op == "due":
+            due = model[0] if model and model[0][0] <= dt else None
+            assert queue.pop_due(dt) == due
+            if due is not None:
+                heapq.heappop(model)
             continue
         now = now + dt if op == "push" else now - dt  # "back": the clock went back
         queue.push(now + duration, handle, duration)
@@ -432,3 +439,65 @@ def test_groups_on_lists_movable_groups_heaviest_first() -> None:
     assert [gl.group for gl in view.groups_on("e0", 2)] == [group[1]]  # history: not listed
     assert [gl.group for gl in view.groups_on("e2")] == [group[0]]
     assert [gl.group for gl in view.groups_on("e1")] == [group[1]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.sampled_from([0, 1, 2]), min_size=1, max_size=8),  # requests routed per engine
+    st.frozensets(st.sampled_from([f"e{i}" for i in range(8)]), max_size=3),
+    st.booleans(),
+)
+def test_load_extremes_equal_min_and_max_over_the_candidates(
+    routed: list[int], exclude: frozenset[str], window: bool
+) -> None:
+    """The least and the busiest candidate as ``min``/``max`` over the view's engines pick
+    them (equal loads: the first in engine order), excluded engines left out."""
+    f = Fleet(n=len(routed), options={"load": "outstanding"})
+    cl = f.router.cluster
+    n = 0
+    for i, count in enumerate(routed):
+        for _ in range(count):  # equal requests: many engines tie on load
+            req = RouteRequest(f"q{n}", "m", b"k%d" % n, 100, 10)
+            match, matched = cl.match(req.key)
+            cl.record_route(req, f"e{i}", match, matched, cl.group_of(req.key), 1.0)
+            n += 1
+    req = RouteRequest("x", "m", b"x", 1, 1, exclude=exclude)
+    engines = cl.candidates(req, 1.0)
+    view = View(cl, engines, {}, f.router.rng, model="m", exclude=exclude, now=1.0)
+    got = view.load_extremes(window=window)
+    if not engines:
+        assert got is None
+        return
+    load = (lambda e: e.window_ms) if window else (lambda e: e.load_ms)
+    assert got is not None
+    assert got[0].engine_id == min(engines, key=load).engine_id
+    assert got[1].engine_id == max(engines, key=load).engine_id
+
+
+def test_a_decisions_candidates_read_late_equal_those_read_at_once() -> None:
+    """Candidates are built when first read, from decision-time snapshots: reading them after
+    many later decisions (which change every engine's load, the speculative entries and the
+    policy's memo) gives exactly what reading them at once gives, for every reason."""
+
+    def run(read_at_once: bool) -> tuple[list, list[str]]:
+        f = Fleet(n=6)
+        for i in range(6):
+            f.cache(f"e{i}", PROMPT[: 1024 * (i + 1)], 0.1)
+        decisions, early = [], []
+        for n in range(120):
+            tail = 64 * (n % 5 + 1) if n % 2 else 4096 + 512 * (n % 9)  # mostly cached or not
+            key = PROMPT[: 512 * (n % 32 + 1)] + bytes([n % 7, n % 251]) * (tail // 2)
+            d = f.route(f"r{n}", key, 1.0 + n * 0.01, max_tokens=20 + n % 40)
+            decisions.append(d)
+            if read_at_once:
+                early.append(d.candidates)
+        listed = early or [d.candidates for d in decisions]
+        return listed, [d.reason for d in decisions]
+
+    at_once, reasons = run(True)
+    late, reasons_late = run(False)
+    assert reasons == reasons_late
+    assert {"exploit", "explore"} <= set(reasons)
+    assert at_once == late
+    assert all(at_once) and any(len(c) > 2 for c in at_once)
+    assert any(c.load_ms > 0 and c.prefill_ms > 0 for cands in at_once for c in cands)

@@ -83,6 +83,14 @@ class FakeView:
         ranked = sorted(self.engines, key=lambda e: (load(e), e.position), reverse=descending)
         return iter(ranked)
 
+    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
+        def load(e: EngineView) -> float:
+            return e.window_ms if window else e.load_ms
+
+        if not self.engines:
+            return None
+        return min(self.engines, key=load), max(self.engines, key=load)  # first of equals
+
     def min_routed(self) -> int:
         return min((e.routed_total for e in self.engines), default=0)
 
