@@ -165,6 +165,11 @@ class _Engine:
     hit_total: int = 0
     view: EngineView | None = None
     seq: int = 0  # registration order: the order of the eligible sets (ties break on it)
+    # the heaviest group in ``groups`` by (load, lower id), kept as work is added (see
+    # Cluster._note_group); None with top_known: no group; not top_known: find it by a scan
+    top_work: _GroupWork | None = None
+    top_group: int = 0
+    top_known: bool = True
     load_key: float | None = None  # the L it is filed under in Cluster._by_load
     window_key: float | None = None  # ... in Cluster._by_window
 
@@ -540,6 +545,7 @@ class Cluster:
         if len(eng.tpots) > self.config.tpot_samples:
             eng.tpots.popleft()
         eng.tpot_ms = median(eng.tpots)
+        eng.top_work, eng.top_known = None, False  # loads move by different amounts
         eng.view = None
         self._load_dirty[eng.engine_id] = eng
 
@@ -606,6 +612,7 @@ class Cluster:
         g.out_tokens += req.max_tokens
         g.requests += 1
         g.entries.append(entry)
+        self._note_group(eng, group, g)
         self._hits.append((now, engine_id, mine, key_len))
         eng.hit_matched += mine
         eng.hit_total += key_len
@@ -636,6 +643,37 @@ class Cluster:
         ttl = c.approximate_ttl_s if c.approximate or not eng.reports_kv else c.speculative_ttl_s
         rec.spec = self.spec.add(engine_id, req.key, ttl, now)
         self.tree.touch(match, engine_id, mine, now)
+
+    def _note_group(self, eng: _Engine, group: int, work: _GroupWork) -> None:
+        """``work`` (group ``group`` of ``eng``) just grew: it leads if it now outweighs the
+        heaviest (only a lighter or a removed leader, or a new TPOT, loses the answer)."""
+        if not eng.top_known:
+            return
+        top = eng.top_work
+        if top is not None and top is not work:
+            tpot = eng.tpot_ms
+            load = work.prefill_ms + work.out_tokens * tpot
+            lead = top.prefill_ms + top.out_tokens * tpot
+            if load < lead or (load == lead and group > eng.top_group):
+                return
+        eng.top_work = work
+        eng.top_group = group
+
+    def heaviest_group(self, eng: _Engine) -> tuple[int, _GroupWork] | None:
+        """``eng``'s heaviest group by (windowed load, lower id), from what was kept or, when
+        that was lost, by one typed scan (which keeps it again)."""
+        if not eng.top_known:
+            tpot = eng.tpot_ms
+            best: _GroupWork | None = None
+            best_group = 0
+            best_load = 0.0
+            for g, w in eng.groups.items():
+                load = w.prefill_ms + w.out_tokens * tpot
+                if best is None or load > best_load or (load == best_load and g < best_group):
+                    best, best_group, best_load = w, g, load
+            eng.top_work, eng.top_group, eng.top_known = best, best_group, True
+        top = eng.top_work
+        return None if top is None else (eng.top_group, top)
 
     def release(self, request_id: str, how: str, now: float) -> bool:
         """A routed request ended (``how``: event, report or timeout); frees its in-flight slot.
@@ -688,6 +726,8 @@ class Cluster:
                 continue
             g = src.groups.pop(mv.group, None)
             if g is not None:
+                if g is src.top_work:
+                    src.top_work, src.top_known = None, False
                 src.load_prefill_ms -= g.prefill_ms
                 src.load_out_tokens -= g.out_tokens
                 dst.load_prefill_ms += g.prefill_ms
@@ -698,12 +738,13 @@ class Cluster:
                     entry[1] = mv.dst
                 d = dst.groups.get(mv.group)
                 if d is None:
-                    dst.groups[mv.group] = g
+                    d = dst.groups[mv.group] = g
                 else:
                     d.prefill_ms += g.prefill_ms
                     d.out_tokens += g.out_tokens
                     d.requests += g.requests
                     d.entries = deque(sorted((*d.entries, *g.entries), key=lambda e: e[0]))
+                self._note_group(dst, mv.group, d)
             self._overrides[mv.group] = (mv.dst, until)
             src.view = dst.view = None
             self.moves += 1
@@ -725,6 +766,8 @@ class Cluster:
             self._load_dirty[engine_id] = eng
             g = eng.groups.get(group)
             if g is not None:
+                if g is eng.top_work:  # the heaviest got lighter: another may lead now
+                    eng.top_work, eng.top_known = None, False
                 g.prefill_ms -= prefill
                 g.out_tokens -= out
                 g.requests -= 1
@@ -1104,11 +1147,45 @@ class View:
             return
         tpot = eng.tpot_ms
         overrides = self._cluster._overrides
+        # the heaviest: usually known without reading the groups (a scan of 80 groups cost
+        # ~30 us when they were out of the CPU's caches); rebalancing usually reads one
+        # group and stops
+        found = False
+        best = 0
+        best_load = 0.0
+        best_requests = 0
+        top = self._cluster.heaviest_group(eng)
+        if top is not None:
+            g, w = top
+            r = w.requests
+            o = overrides.get(g) if overrides else None
+            if r >= min_requests and r > 0 and (o is None or o[0] == engine_id):
+                found, best, best_requests = True, g, r
+                best_load = w.prefill_ms + w.out_tokens * tpot
+        if not found:  # the heaviest is filtered out: one typed pass, no allocation
+            for g, w in eng.groups.items():
+                r = w.requests
+                if r < min_requests or r <= 0:
+                    continue
+                if overrides:
+                    o = overrides.get(g)
+                    if o is not None and o[0] != engine_id:
+                        continue
+                load = w.prefill_ms + w.out_tokens * tpot
+                if not found or load > best_load or (load == best_load and g < best):
+                    found, best, best_load, best_requests = True, g, load, r
+        if not found:
+            return
+        yield GroupLoad(best, best_load, best_requests)
+        # the rest, if read: the same filter into lists, then two C sorts of indices (ints,
+        # then floats: CPython compares them without generic rich comparisons), group id
+        # ascending, then stably by load descending
         groups: list[int] = []
         loads: list[float] = []
         requests: list[int] = []
         for g, w in eng.groups.items():
-            if w.requests < min_requests or w.requests <= 0:
+            r = w.requests
+            if r < min_requests or r <= 0 or g == best:
                 continue
             if overrides:
                 o = overrides.get(g)
@@ -1116,23 +1193,11 @@ class View:
                     continue
             groups.append(g)
             loads.append(w.prefill_ms + w.out_tokens * tpot)
-            requests.append(w.requests)
-        n = len(groups)
-        if not n:
-            return
-        # the heaviest by one typed pass: rebalancing usually reads one group and stops
-        first = 0
-        for i in range(1, n):
-            if loads[i] > loads[first] or (loads[i] == loads[first] and groups[i] < groups[first]):
-                first = i
-        yield GroupLoad(groups[first], loads[first], requests[first])
-        # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
-        # without generic rich comparisons), group id ascending, then stably by load descending
-        order = sorted(range(n), key=groups.__getitem__)
+            requests.append(r)
+        order = sorted(range(len(groups)), key=groups.__getitem__)
         order.sort(key=loads.__getitem__, reverse=True)
         for i in order:
-            if i != first:
-                yield GroupLoad(groups[i], loads[i], requests[i])
+            yield GroupLoad(groups[i], loads[i], requests[i])
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         dq = self._cluster._ttfts.get(group)

@@ -501,3 +501,107 @@ def test_a_decisions_candidates_read_late_equal_those_read_at_once() -> None:
     assert at_once == late
     assert all(at_once) and any(len(c) > 2 for c in at_once)
     assert any(c.load_ms > 0 and c.prefill_ms > 0 for cands in at_once for c in cands)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.sampled_from([10, 20])), max_size=30),
+    st.integers(1, 3),
+)
+def test_groups_on_equals_a_sort_by_load_then_group(routed: list, min_requests: int) -> None:
+    """Heaviest first, equal loads by group id (ties are common: equal requests), groups under
+    ``min_requests`` left out; the first group (found by its own pass) and the rest agree."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    for n, (g, out_tokens) in enumerate(routed):
+        req = RouteRequest(f"q{n}", "m", bytes([65 + g]) * 40, 10, out_tokens)
+        match, matched = cl.match(req.key)
+        cl.record_route(req, "e0", match, matched, g, 1.0)
+    view = View(cl, cl.candidates(RouteRequest("x", "m", b"x", 1, 1), 1.0), {}, f.router.rng,
+                model="m", now=1.0)  # fmt: skip
+    listed = [(gl.group, gl.load_ms, gl.requests) for gl in view.groups_on("e0", min_requests)]
+    eng = cl.engines["e0"]
+    expected = sorted(
+        (
+            (g, w.prefill_ms + w.out_tokens * eng.tpot_ms, w.requests)
+            for g, w in eng.groups.items()
+            if w.requests >= min_requests
+        ),
+        key=lambda t: (-t[1], t[0]),
+    )
+    assert listed == expected
+
+
+group_op = st.one_of(
+    st.tuples(
+        st.just("route"), st.integers(0, 5), st.sampled_from([10, 20, 30]), st.integers(0, 1)
+    ),
+    st.tuples(st.just("move"), st.integers(0, 6), st.integers(0, 1), st.integers(0, 1)),
+    st.tuples(st.just("tpot"), st.sampled_from([5.0, 150.0, 400.0]), st.integers(0, 1), st.just(0)),
+    st.tuples(st.just("wait"), st.sampled_from([0.5, 2.0]), st.just(0), st.just(0)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(group_op, max_size=40), st.integers(1, 3))
+def test_heaviest_group_kept_through_routes_moves_tpot_and_expiry(ops: list, min_req: int) -> None:
+    """The heaviest group the cluster keeps as work comes and goes (routes add to a group,
+    moves take it away or merge it, a new TPOT reorders, the window drops old work) is the
+    one a full sort finds, and ``groups_on`` lists what the sort lists."""
+    f = Fleet(n=2, window_s=3.0)
+    cl = f.router.cluster
+    now = 1.0
+    for n, (op, a, b, c) in enumerate(ops):
+        if op == "route":
+            size = 40 if b == 30 else 20_000  # P ~24 or ~650 ms: a new TPOT can reorder
+            req = RouteRequest(f"q{n}", "m", bytes([65 + a, n % 256]) * (size // 2), 10, b)
+            match, matched = cl.match(req.key)
+            cl.record_route(req, f"e{c}", match, matched, a, now)
+        elif op == "move" and b != c:
+            src = cl.engines[f"e{b}"]
+            if a == 6 and src.groups:  # its heaviest
+                a = max(
+                    src.groups,
+                    key=lambda g, e=src: (
+                        e.groups[g].prefill_ms + e.groups[g].out_tokens * e.tpot_ms
+                    ),
+                )
+            cl.apply_moves([Move(a, f"e{b}", f"e{c}")], now)
+        elif op == "tpot":
+            cl._record_tpot(cl.engines[f"e{b}"], a)
+        elif op == "wait":
+            now += a
+            cl.expire(now)
+        view = View(cl, cl.candidates(RouteRequest("x", "m", b"x", 1, 1), now), {},
+                    f.router.rng, model="m", now=now)  # fmt: skip
+        for engine_id in ("e0", "e1"):
+            eng = cl.engines[engine_id]
+
+            def load(w, eng=eng):
+                return w.prefill_ms + w.out_tokens * eng.tpot_ms
+
+            ranked = sorted(eng.groups.items(), key=lambda gw, load=load: (-load(gw[1]), gw[0]))
+            top = cl.heaviest_group(eng)
+            assert (top[0] if top else None) == (ranked[0][0] if ranked else None)
+            expected = [
+                g
+                for g, w in ranked
+                if w.requests >= min_req
+                and (cl._overrides.get(g) is None or cl._overrides[g][0] == engine_id)
+            ]
+            assert [gl.group for gl in view.groups_on(engine_id, min_req)] == expected
+
+
+def test_heaviest_group_follows_a_new_tpot() -> None:
+    """Load = prefill + output tokens x TPOT: a long prompt with a short answer outweighs a
+    short prompt with a long answer only while TPOT is small, so a new TPOT can reorder."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    for n, (group, out, size) in enumerate([(0, 10, 20_000), (1, 30, 40)]):
+        req = RouteRequest(f"q{n}", "m", bytes([65 + group, n]) * (size // 2), 10, out)
+        match, matched = cl.match(req.key)
+        cl.record_route(req, "e0", match, matched, group, 1.0)
+    eng = cl.engines["e0"]
+    assert cl.heaviest_group(eng)[0] == 1  # at the seeded 150 ms TPOT
+    cl._record_tpot(eng, 5.0)
+    assert cl.heaviest_group(eng)[0] == 0
