@@ -384,6 +384,9 @@ class Cluster:
         # model -> (eligible engines, valid until, membership version, their cost profiles)
         self._eligible: dict[str, tuple[dict[str, _Engine], float, int, tuple]] = {}
         self._membership = 0  # bumped whenever the eligible sets may change
+        # model -> (its eligible set, those engines, their views): candidates() patches the
+        # few views that changed instead of re-reading every engine from the set
+        self._candidate_views: dict[str, tuple[dict[str, _Engine], list[_Engine], list]] = {}
         # every engine by (L_i, seq), kept sorted: explore and rebalancing read the few least
         # (or most) loaded engines instead of scoring all; re-keyed lazily (_load_dirty)
         self._by_load = _LoadOrder()
@@ -857,7 +860,20 @@ class Cluster:
                 for e in eligible.values()
                 if e.engine_id not in req.exclude
             ]
-        return [e.view or self.engine_view(e) for e in eligible.values()]
+        kept = self._candidate_views.get(req.model)
+        if kept is None or kept[0] is not eligible:  # the eligible set changed: start over
+            engines = list(eligible.values())
+            views = [e.view or self.engine_view(e) for e in engines]
+            self._candidate_views[req.model] = (eligible, engines, views)
+            return views.copy()
+        _, engines, views = kept
+        for i in range(len(engines)):  # typed: re-read only the views that changed
+            v = engines[i].view
+            if v is None:
+                views[i] = self.engine_view(engines[i])
+            elif v is not views[i]:
+                views[i] = v
+        return views.copy()  # (a decision keeps its list: a snapshot, never patched later)
 
     def eligible(self, model: str, now: float) -> dict[str, _Engine]:
         """Engines alive, serving ``model`` and not draining (cached, see :meth:`candidates`)."""
@@ -896,17 +912,21 @@ class Cluster:
         by_window = self._by_window
         load_of = self._load_of
         for eng in dirty.values():
-            if eng.load_key is not None:
-                by_load.remove(eng.load_key, eng.seq, eng.engine_id)
             load = load_of(eng)
-            eng.load_key = load
-            by_load.insert(load, eng.seq, eng.engine_id)
+            key = eng.load_key
+            if key is None or load != key:  # (a request routed and released: often equal)
+                if key is not None:
+                    by_load.remove(key, eng.seq, eng.engine_id)
+                eng.load_key = load
+                by_load.insert(load, eng.seq, eng.engine_id)
             if by_window is not by_load:
-                if eng.window_key is not None:
-                    by_window.remove(eng.window_key, eng.seq, eng.engine_id)
                 load = eng.window_ms()
-                eng.window_key = load
-                by_window.insert(load, eng.seq, eng.engine_id)
+                key = eng.window_key
+                if key is None or load != key:
+                    if key is not None:
+                        by_window.remove(key, eng.seq, eng.engine_id)
+                    eng.window_key = load
+                    by_window.insert(load, eng.seq, eng.engine_id)
         dirty.clear()
 
 

@@ -605,3 +605,21 @@ def test_heaviest_group_follows_a_new_tpot() -> None:
     assert cl.heaviest_group(eng)[0] == 1  # at the seeded 150 ms TPOT
     cl._record_tpot(eng, 5.0)
     assert cl.heaviest_group(eng)[0] == 0
+
+
+def test_candidates_show_every_engines_current_view_and_stay_a_snapshot() -> None:
+    """The candidate list is patched from a kept one: each call shows every engine's state as
+    it is now, and a list handed out earlier (a decision's snapshot) never changes."""
+    f = Fleet(n=3)
+    cl = f.router.cluster
+    req = RouteRequest("x", "m", b"x", 1, 1)
+    first = cl.candidates(req, 1.0)
+    before = [(ev.engine_id, ev.inflight) for ev in first]
+    d = f.route("r1", b"k" * 100, 1.0)
+    now = cl.candidates(req, 1.0)
+    assert {ev.engine_id: ev.inflight for ev in now}[d.engine_id] == 1
+    assert [(ev.engine_id, ev.inflight) for ev in first] == before  # untouched
+    f.heartbeat("e3", 1.0)  # a new engine joins: the eligible set changes
+    assert [ev.engine_id for ev in cl.candidates(req, 1.0)] == ["e0", "e1", "e2", "e3"]
+    f.router.report("r1", d.engine_id, "ok", 1.0)
+    assert all(ev.inflight == 0 for ev in cl.candidates(req, 1.0))
