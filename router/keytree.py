@@ -43,6 +43,10 @@ class KeyTree:
         self.nodes = 1
         self.total_bytes = 0
         self.held_bytes: dict[str, int] = {}  # engine -> bytes of the nodes it holds
+        # where the last match stopped: (key, node, depth, child diverged in or None, bytes of
+        # it matched); every change clears it. The router matches a key and then adds it, so
+        # the add starts there instead of comparing the key from the root again
+        self._hint: tuple[bytes, KeyNode, int, KeyNode | None, int] | None = None
 
     def add(self, engine: str, key: bytes) -> KeyNode | None:
         """One more reference from ``engine`` to ``key``; returns the node the key ends at
@@ -52,10 +56,25 @@ class KeyTree:
         n = len(key)
         if not n:
             return None
+        hint = self._hint
+        self._hint = None
         view: memoryview | None = None
         path: list[KeyNode] = []
         node = self.root
         i = 0
+        if hint is not None and hint[0] is key:
+            _, node, i, inside, k = hint
+            up: KeyNode | None = node
+            while up is not None and up is not self.root:  # the nodes above, top down
+                path.append(up)
+                up = up.parent
+            path.reverse()
+            if inside is not None:  # the key ends or diverges inside it, after k bytes
+                upper = self._split(inside, k)
+                path.append(upper)
+                if i + k < n:
+                    path.append(self._new_leaf(upper, memoryview(key)[i + k :]))
+                i = n
         while i < n:
             child = node.children.get(key[i]) if node.children is not None else None
             if child is None:
@@ -93,6 +112,7 @@ class KeyTree:
     def drop(self, engine: str, key: bytes, end: KeyNode | None = None) -> None:
         """Release one :meth:`add` reference (``end``: what it returned; without it the path is
         found by comparing the key's bytes again). Nodes nobody references are deleted."""
+        self._hint = None
         path: list[KeyNode] = []
         if end is not None and not end.dead and end.end == len(key):
             up: KeyNode | None = end
@@ -151,12 +171,14 @@ class KeyTree:
                 out.update(dict.fromkeys(alive.keys() - counts.keys(), pos))
             if m < size:
                 out.update(dict.fromkeys(counts, pos + m))
+                self._hint = (key, node, pos, child, m)
                 return out
             pos += size
             alive = counts
             node = child
         if alive is not None:
             out.update(dict.fromkeys(alive, pos))
+        self._hint = (key, node, pos, None, 0)
         return out
 
     def _new_leaf(self, parent: KeyNode, label: memoryview) -> KeyNode:

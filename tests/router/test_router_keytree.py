@@ -37,6 +37,7 @@ def _walk(tree: KeyTree) -> list[KeyNode]:
             st.booleans(),
             st.sampled_from(ENGINES),
             st.binary(min_size=1, max_size=8).map(lambda b: bytes(x % 2 + 97 for x in b)),
+            st.booleans(),
         ),
         max_size=40,
     )
@@ -45,11 +46,14 @@ def test_key_tree_agrees_with_naive_model(ops: list) -> None:
     """A key stays matched while any reference to it (or to a longer key through it) remains;
     nodes nobody references are freed; the byte and node counts and each engine's held bytes
     equal a recount. Every other drop uses the node ``add`` returned (walking up from it, as
-    the router's speculative entries do), through whatever splits later keys made."""
+    the router's speculative entries do), through whatever splits later keys made. Adds come
+    with and without a match of the same key just before (the add then resumes from it)."""
     tree = KeyTree()
     live: list[tuple[str, bytes, KeyNode | None]] = []
-    for add, engine, key in ops:
+    for add, engine, key, matched_first in ops:
         if add or not live:
+            if matched_first:  # as the router does: the add starts where the match stopped
+                tree.match(key)
             live.append((engine, key, tree.add(engine, key)))
         else:
             engine, key, end = live.pop(len(key) % len(live))
