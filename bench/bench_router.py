@@ -13,7 +13,9 @@ document + a new question) and explore keys (new text after a system prompt), cu
 Memory is measured with tracemalloc (allocations made while the tree was built, divided by the
 unique cached bytes). The process runs with the garbage-collector settings of ``kvgate router``
 and ``kvgate gateway`` (:func:`kvgate.runtime.tune_gc`, applied before anything is built); the
-JSON records them, and p99.9 shows the collector's (rarer, longer) pauses.
+JSON records them, and p99.9 shows the collector's (rarer, longer) pauses. ``machine_stalls``
+records how often the machine itself stops the thread, and for how long (see
+:func:`machine_stalls`): a floor under any p99 taken on it.
 """
 
 from __future__ import annotations
