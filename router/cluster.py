@@ -132,6 +132,10 @@ class _GroupWork:
         self.requests = 0
         self.entries: deque[list] = deque()  # its entries of Cluster._load, oldest first
 
+    def load_ms(self, tpot_ms: float) -> float:
+        """Its share of Preble's windowed L on an engine decoding at ``tpot_ms``."""
+        return self.prefill_ms + self.out_tokens * tpot_ms
+
 
 @dataclass(slots=True)
 class _Engine:
@@ -654,9 +658,8 @@ class Cluster:
             return
         top = eng.top_work
         if top is not None and top is not work:
-            tpot = eng.tpot_ms
-            load = work.prefill_ms + work.out_tokens * tpot
-            lead = top.prefill_ms + top.out_tokens * tpot
+            load = work.load_ms(eng.tpot_ms)
+            lead = top.load_ms(eng.tpot_ms)
             if load < lead or (load == lead and group > eng.top_group):
                 return
         eng.top_work = work
@@ -671,7 +674,7 @@ class Cluster:
             best_group = 0
             best_load = 0.0
             for g, w in eng.groups.items():
-                load = w.prefill_ms + w.out_tokens * tpot
+                load = w.load_ms(tpot)
                 if best is None or load > best_load or (load == best_load and g < best_group):
                     best, best_group, best_load = w, g, load
             eng.top_work, eng.top_group, eng.top_known = best, best_group, True
@@ -1167,53 +1170,41 @@ class View:
             return
         tpot = eng.tpot_ms
         overrides = self._cluster._overrides
+
+        def listed(g: int, w: _GroupWork) -> bool:
+            if w.requests < min_requests or w.requests <= 0:
+                return False
+            o = overrides.get(g) if overrides else None
+            return o is None or o[0] == engine_id
+
         # the heaviest: usually known without reading the groups (a scan of 80 groups cost
         # ~30 us when they were out of the CPU's caches); rebalancing usually reads one
         # group and stops
         found = False
         best = 0
         best_load = 0.0
-        best_requests = 0
         top = self._cluster.heaviest_group(eng)
-        if top is not None:
-            g, w = top
-            r = w.requests
-            o = overrides.get(g) if overrides else None
-            if r >= min_requests and r > 0 and (o is None or o[0] == engine_id):
-                found, best, best_requests = True, g, r
-                best_load = w.prefill_ms + w.out_tokens * tpot
-        if not found:  # the heaviest is filtered out: one typed pass, no allocation
+        if top is not None and listed(top[0], top[1]):
+            found, best, best_load = True, top[0], top[1].load_ms(tpot)
+        if not found:  # the heaviest is left out: one typed pass, no allocation
             for g, w in eng.groups.items():
-                r = w.requests
-                if r < min_requests or r <= 0:
-                    continue
-                if overrides:
-                    o = overrides.get(g)
-                    if o is not None and o[0] != engine_id:
-                        continue
-                load = w.prefill_ms + w.out_tokens * tpot
-                if not found or load > best_load or (load == best_load and g < best):
-                    found, best, best_load, best_requests = True, g, load, r
+                if listed(g, w):
+                    load = w.load_ms(tpot)
+                    if not found or load > best_load or (load == best_load and g < best):
+                        found, best, best_load = True, g, load
         if not found:
             return
-        yield GroupLoad(best, best_load, best_requests)
-        # the rest, if read: the same filter into lists, then two C sorts of indices (ints,
-        # then floats: CPython compares them without generic rich comparisons), group id
-        # ascending, then stably by load descending
+        yield GroupLoad(best, best_load, eng.groups[best].requests)
+        # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
+        # without generic rich comparisons), group id ascending, then stably by load descending
         groups: list[int] = []
         loads: list[float] = []
         requests: list[int] = []
         for g, w in eng.groups.items():
-            r = w.requests
-            if r < min_requests or r <= 0 or g == best:
-                continue
-            if overrides:
-                o = overrides.get(g)
-                if o is not None and o[0] != engine_id:
-                    continue
-            groups.append(g)
-            loads.append(w.prefill_ms + w.out_tokens * tpot)
-            requests.append(r)
+            if g != best and listed(g, w):
+                groups.append(g)
+                loads.append(w.load_ms(tpot))
+                requests.append(w.requests)
         order = sorted(range(len(groups)), key=groups.__getitem__)
         order.sort(key=loads.__getitem__, reverse=True)
         for i in order:

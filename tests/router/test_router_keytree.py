@@ -12,15 +12,6 @@ from router.keytree import KeyNode, KeyTree
 ENGINES = ("e0", "e1", "e2")
 
 
-def _lcp(a: bytes, b: bytes) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _walk(tree: KeyTree) -> list[KeyNode]:
     out, stack = [], [tree.root]
     while stack:
@@ -61,7 +52,9 @@ def test_key_tree_agrees_with_naive_model(ops: list) -> None:
         for probe in {k for _, k, _ in live} | {key, key[:1], key + b"a"}:
             expected: dict[str, int] = {}
             for e, k, _ in live:
-                n = _lcp(probe, k)
+                n = next(
+                    (i for i, x in enumerate(probe[: len(k)]) if x != k[i]), min(len(probe), len(k))
+                )
                 if n > expected.get(e, 0):
                     expected[e] = n
             assert tree.match(probe) == {e: n for e, n in expected.items() if n}
