@@ -8,7 +8,8 @@ created it, and a key is kept alive by its entry anyway; copying the label (the 
 key no other live key shares) was half the cost of adding an entry, and freeing it most of the
 cost of expiring one, measured in ``bench/bench_router.py``'s steady state. A view keeps its
 key's buffer alive while the node lives; a node lives only while a key through it does, so the
-memory held stays within twice the live keys' bytes.
+memory held stays within twice the live keys' bytes (plus the last key matched, kept until
+the next change as a hint for its insertion).
 
 Semantics (a property test checks them against a naive model): ``match(key)`` gives, per
 engine, the longest common prefix of ``key`` with any key it holds a reference to.

@@ -76,12 +76,8 @@ class FakeView:
     def __post_init__(self) -> None:  # positions: the order of ``engines``, as the cluster's
         self.engines = [replace(e, position=i) for i, e in enumerate(self.engines)]
 
-    def by_load(self, descending: bool = False, window: bool = False) -> Iterator[EngineView]:
-        def load(e: EngineView) -> float:
-            return e.window_ms if window else e.load_ms
-
-        ranked = sorted(self.engines, key=lambda e: (load(e), e.position), reverse=descending)
-        return iter(ranked)
+    def by_load(self) -> Iterator[EngineView]:
+        return iter(sorted(self.engines, key=lambda e: (e.load_ms, e.position)))
 
     def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
         def load(e: EngineView) -> float:
