@@ -20,8 +20,14 @@ Semantics (the property tests check these against a naive model): an engine's ca
 of strings spelled by chains of blocks it holds from the root. A stored chain whose parent block
 the engine does not hold is ignored (it could never be matched); removing a block also drops the
 engine's blocks below it. ``match(key)`` gives, per engine, the longest common prefix of ``key``
-with any of its strings. Limitation: when one block's bytes are a strict byte-prefix of a sibling
-block's bytes (never with fixed-size blocks), removing the shorter one drops the longer one too.
+with any of its strings, *floored to a block boundary*: an engine reuses only whole blocks, so a
+key that diverges inside a block (two documents opening with the same word) is credited up to
+the end of the last whole block, not the matching bytes of the partial one. Block boundaries are
+the end depths of the blocks stored along the key's path (``Node.ends``: every engine's, one
+sorted array per node); in a fleet of one block size they are every engine's own boundaries
+(engines of different block sizes on the same text: a boundary may be another engine's).
+Limitation: when one block's bytes are a strict byte-prefix of a sibling block's bytes (never
+with fixed-size blocks), removing the shorter one drops the longer one too.
 
 The router's own speculative and approximate entries (whole keys, reference-counted) live in
 :class:`router.keytree.KeyTree`, not here.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -215,6 +222,7 @@ class Node:
         "children",
         "dead",
         "end",
+        "ends",
         "full",
         "hits",
         "hits_t",
@@ -239,6 +247,31 @@ class Node:
         self.hits = 0.0
         self.hits_t = now
         self.dead = False
+        # end depths (absolute key positions) of the blocks whose last byte is in this label,
+        # ascending: where an engine's reusable prefix can end (match floors to them)
+        self.ends: array | None = None
+
+    def add_end(self, depth: int) -> None:
+        """Record that a block ends at key depth ``depth`` (inside this label)."""
+        ends = self.ends
+        if ends is None:
+            self.ends = array("I", (depth,))
+        elif not ends or ends[-1] < depth:
+            ends.append(depth)
+        else:
+            i = bisect_left(ends, depth)
+            if ends[i] != depth:
+                ends.insert(i, depth)
+
+    def floor_end(self, depth: int) -> int:
+        """The greatest block end in this label at or before ``depth`` (-1: none)."""
+        ends = self.ends
+        if not ends:
+            return -1
+        if ends[-1] <= depth:
+            return ends[-1]
+        i = bisect_right(ends, depth)
+        return ends[i - 1] if i else -1
 
     def coverage(self, engine: str) -> int:
         """How many leading bytes of the label ``engine`` holds."""
@@ -285,6 +318,14 @@ class TreeStats:
     engines: int
     dropped_nodes: int
     orphan_chains: int
+
+
+def _drop_zeros(out: dict[str, int]) -> dict[str, int]:
+    """``out`` without engines credited 0 bytes (a match inside their first block); usually
+    there are none and ``out`` itself is returned."""
+    if 0 in out.values():
+        return {e: v for e, v in out.items() if v}
+    return out
 
 
 class RadixTree:
@@ -343,6 +384,12 @@ class RadixTree:
         node.start += at
         node.parent = upper
         upper.children = {node.label[0]: node}
+        ends = node.ends
+        if ends:  # block ends up to the cut belong to the upper part
+            k = bisect_right(ends, upper.end)
+            if k:
+                upper.ends = ends[:k]
+                node.ends = ends[k:] if k < len(ends) else None
         if node.full:
             upper.full = set(node.full)
         if node.partial:
@@ -550,6 +597,7 @@ class RadixTree:
             while path[at].end < end:
                 at += 1
             index.put(h, path[at].nid, end, len(b))
+            path[at].add_end(end)
         if self.total_bytes > self.budget_bytes:
             self.gc(now)
         return True
@@ -606,18 +654,23 @@ class RadixTree:
     # ------------------------------------------------------------------ queries
 
     def match(self, key: bytes) -> Match:
-        """Per engine, how many leading bytes of ``key`` it holds (engines holding none are
-        absent); cost: one C comparison and a few C set/dict operations per node walked.
+        """Per engine, how many leading bytes of ``key`` it holds in whole blocks (engines
+        holding none are absent); cost: one C comparison and a few C set/dict operations per
+        node walked.
 
         Caches are prefix-closed, so an engine holding any of a node holds all of its parent:
         below the first node the engines still matching are exactly the current node's
         ``full`` set (no intersections), and the ones that stop are the parent's ``full`` minus
         it (``partial`` ones inside the node). The result dict is filled from those sets with
-        ``dict.fromkeys`` (sized once, at C speed) rather than one insertion per engine."""
+        ``dict.fromkeys`` (sized once, at C speed) rather than one insertion per engine.
+        Where engines stop, the position is floored to the last block end at or before it
+        (an engine's partial coverage already ends at one of its block ends); ``last`` is the
+        last block end of the nodes passed so far."""
         out: dict[str, int] = {}
         path: list[Node] = []
         node = self.root
         pos, n = 0, len(key)
+        last = 0  # the greatest block end at or before pos
         alive: set[str] | frozenset[str] | None = None  # None: the root, which everyone holds
         while pos < n:
             child = node.children.get(key[pos]) if node.children else None
@@ -633,22 +686,31 @@ class RadixTree:
             full = child.full or _EMPTY
             partial = child.partial
             if alive is not None and len(full) != len(alive):
-                out.update(dict.fromkeys(alive - full, pos))  # they stop here ...
-            if partial:  # ... or inside the label
+                stopped = alive - full
+                if stopped:  # they stop here ...
+                    out.update(dict.fromkeys(stopped, last))
+            if partial:  # ... or inside the label (their coverage ends at a block end)
                 for e, cov in partial.items():
-                    out[e] = pos + (cov if cov < m else m)
+                    if cov <= m:
+                        out[e] = pos + cov
+                    else:  # the key leaves the label inside e's coverage
+                        f = child.floor_end(pos + m)
+                        out[e] = f if f >= 0 else last
             if m < size:
                 if full:
-                    out.update(dict.fromkeys(full, pos + m))
-                return Match(out, path, pos + m)
+                    f = child.floor_end(pos + m)
+                    out.update(dict.fromkeys(full, f if f >= 0 else last))
+                return Match(_drop_zeros(out), path, pos + m)
             pos += size
+            if child.ends:
+                last = child.ends[-1]
             alive = full
             node = child
             if not alive:
                 break
         if alive:
-            out.update(dict.fromkeys(alive, pos))
-        return Match(out, path, pos)
+            out.update(dict.fromkeys(alive, last))
+        return Match(_drop_zeros(out), path, pos)
 
     def touch(self, match: Match, engine: str | None, upto: int, now: float) -> None:
         """Record a request's use of the first ``upto`` matched bytes (last access, hit counts)

@@ -55,7 +55,9 @@ class Naive:
                     changed = True
         self.held[engine] -= drop
 
-    def match(self, key: bytes) -> dict[str, int]:
+    def match(self, key: bytes, *, whole_blocks: bool = True) -> dict[str, int]:
+        """Per engine the longest common prefix of ``key`` with its chains, counting only the
+        blocks it covers whole (``whole_blocks=False``: the raw common prefix)."""
         out = {}
         for engine, held in self.held.items():
             best = 0
@@ -67,7 +69,7 @@ class Naive:
                     if p != parent:
                         continue
                     n = _lcp(key[pos:], b)
-                    best = max(best, pos + n)
+                    best = max(best, pos + n if n == len(b) or not whole_blocks else pos)
                     if n == len(b):
                         frontier.append((h, pos + n))
             if best:
@@ -130,7 +132,8 @@ def test_tree_agrees_with_naive_model(ops: list, budget: int) -> None:
             expected = model.match(key)
             assert tree.match(key).per_engine == expected, key
             STATS["nonempty"] += bool(expected)
-            STATS["partial"] += any(v % BLOCK for v in expected.values())
+            raw = model.match(key, whole_blocks=False)
+            STATS["partial"] += any(v % BLOCK for v in raw.values())
         _check_prefix_closed(tree)
     # held bytes bookkeeping: never negative
     assert all(v >= 0 for v in tree.held_bytes.values())
@@ -163,10 +166,33 @@ def _chain(parent: int | None, blocks: list[bytes]) -> list[int]:
 
 
 def test_property_test_exercises_matches() -> None:
-    """Guard against a vacuous property test: it must see real and mid-block matches."""
+    """Guard against a vacuous property test: it must see real matches, and keys that leave a
+    block in its middle (which must be credited only up to that block's start)."""
     test_tree_agrees_with_naive_model()
     assert STATS["nonempty"] > 100
     assert STATS["partial"] > 20
+
+
+def test_match_credits_whole_blocks_of_any_length() -> None:
+    """Blocks of varying byte length (a BPE engine's blocks of 32 tokens): a key diverging
+    inside a block is credited up to that block's start, even when the divergence is past a
+    split of the tree, and a key inside the first block credits nothing."""
+    tree = RadixTree()
+    doc_a = [b"Document A: alpha beta", b" gamma delta eps", b"ilon zeta"]
+    doc_b = [b"Document B: bravo charlie", b" delta echo"]
+    tree.apply_stored("e0", None, _chain(None, doc_a), doc_a, 0.0)
+    tree.apply_stored("e1", None, _chain(None, doc_b), doc_b, 0.0)
+    # shares the 9 bytes "Document " with both, inside their first blocks: nothing reusable
+    assert tree.match(b"Document C: and more").per_engine == {}
+    # all of doc A's first block, then diverging inside its second one
+    key = b"Document A: alpha beta gamma DELTA"
+    assert tree.match(key).per_engine == {"e0": len(doc_a[0])}
+    # the whole of doc A and more: every block counts
+    full = b"".join(doc_a)
+    assert tree.match(full + b" and a question").per_engine == {"e0": len(full)}
+    # a third engine that stored doc A's first block only, splitting nothing new
+    tree.apply_stored("e2", None, _chain(None, doc_a[:1]), doc_a[:1], 1.0)
+    assert tree.match(key).per_engine == {"e0": len(doc_a[0]), "e2": len(doc_a[0])}
 
 
 def test_block_index_agrees_with_a_dict_under_collisions() -> None:
