@@ -8,6 +8,8 @@ Verbs:
   discrete-event simulator, every policy x scheduler x rate side by side; one JSON.
 * ``kvgate bench fidelity``: the same trace slice live (real engines + gateway on loopback) and
   simulated; p50/p99 TTFT error; one JSON.
+* ``kvgate bench matrix [--quick] --jobs 2``: every policy over workloads x load x fleets (the
+  judge of routing quality); a table per combo, JSON, heatmaps and issue 17's verdicts.
 * ``kvgate bench report --inputs A.json B.json --out report.md``: Markdown tables and PNG plots.
 * ``kvgate bench workloads``: list the workloads and describe one.
 """
@@ -175,6 +177,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ingress_ms_per_mb=27.0,
     )  # fmt: skip
 
+    p = sub.add_parser(
+        "matrix",
+        help="every policy over workloads x load x fleets; tables, JSON, heatmaps, verdicts",
+        description="Runs every routing policy in the simulator over workloads x rates x fleet "
+        "sizes x fleet kinds (homogeneous; heterogeneous: every second engine slower). Rates "
+        "are multiples of each combo's knee, the rate at which round robin first drops below "
+        "90%% SLO attainment (found by bisection). Prints progress and a table per combo, "
+        "saves JSON after each combo, draws a heatmap per metric (e2 against the best other "
+        "policy) and prints the verdicts. Defaults: the full matrix (under 30 min with --jobs 2 "
+        "on the development machine); --quick runs a slice.",
+    )
+    p.add_argument("--quick", action="store_true", help="a slice: 4 workloads, 4 and 16 engines")
+    p.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads")
+    p.add_argument("--policies", type=_names, default=None, help="default: every policy")
+    p.add_argument("--fleets", type=_names, default=None, help="engine counts, e.g. 4,16,64")
+    p.add_argument("--kinds", type=_names, default=None, help="homo, hetero")
+    p.add_argument("--rates", type=_floats, default=None, help="multiples of the knee")
+    p.add_argument("--seeds", type=_names, default=None, help="e.g. 0,1,2 (knee from the first)")
+    p.add_argument("--requests-per-engine", type=int, default=None)
+    p.add_argument("--min-requests", type=int, default=None)
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--slow-factor", type=float, default=None, help="hetero: slow engines' factor")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
+    p.add_argument("--out", type=Path, default=RESULTS / "matrix.json")
+    p.add_argument("--plots", type=Path, default=None, help="heatmap folder (default: beside out)")
+    p.add_argument("--no-plots", action="store_true")
+
     p = sub.add_parser("report", help="Markdown tables and PNG plots from result JSONs")
     p.add_argument("--inputs", type=Path, nargs="+", required=True)
     p.add_argument("--out", type=Path, default=RESULTS / "report.md")
@@ -297,6 +326,31 @@ def _run_fidelity(args: argparse.Namespace) -> int:
     return 0 if result["within_tolerance"] else 1
 
 
+def _run_matrix(args: argparse.Namespace) -> int:
+    from bench.matrix import MatrixSpec, draw_heatmaps, format_verdict, quick_spec, run_matrix
+
+    changes: dict = {}
+    for name in ("workloads", "policies", "kinds", "rates"):
+        if getattr(args, name) is not None:
+            changes[name] = tuple(getattr(args, name))
+    if args.fleets is not None:
+        changes["fleets"] = tuple(int(x) for x in args.fleets)
+    if args.seeds is not None:
+        changes["seeds"] = tuple(int(x) for x in args.seeds)
+    for name in ("requests_per_engine", "min_requests", "max_requests", "slow_factor"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    spec = quick_spec(**changes) if args.quick else MatrixSpec(**changes)
+    doc = run_matrix(spec, jobs=args.jobs, out=args.out)
+    print(format_verdict(doc["verdict"]))
+    if not args.no_plots:
+        images = draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem)
+        for path in images:
+            print(f"wrote {path}")
+    print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")
+    return 0
+
+
 def _run_report(args: argparse.Namespace) -> int:
     from bench.report import build_report
 
@@ -326,6 +380,7 @@ VERBS = {
     "replay": _run_replay,
     "sim": _run_sim,
     "fidelity": _run_fidelity,
+    "matrix": _run_matrix,
     "report": _run_report,
     "workloads": _run_workloads,
 }

@@ -42,6 +42,27 @@ class SimConfig:
     seed: int = 0
     static_engines: bool = True  # also register engines by hand (no wait for a heartbeat)
     drain_s: float | None = 4 * 3600.0  # virtual time allowed after the last arrival
+    # heterogeneous fleet: every second engine (e01, e03, ...) is this many times slower
+    slow_factor: float = 1.0
+    # what the slow engines announce: "same" (the configured profile's name: the router is not
+    # told, as with a mis-profiled engine) or "true" (their own ``NAME@xK`` profile)
+    slow_announce: str = "same"
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("engines must be >= 1")
+        if not self.slow_factor > 0:
+            raise ValueError("slow_factor must be positive")
+        if self.slow_announce not in ("same", "true"):
+            raise ValueError("slow_announce must be 'same' or 'true'")
+
+    def engine_profiles(self) -> list[CostProfile]:
+        """Each engine's true cost profile, in engine order."""
+        base = load_profile(self.profile)
+        slow = base.slowed(self.slow_factor)
+        if self.slow_announce == "same":
+            slow = replace(slow, name=base.name)
+        return [slow if i % 2 else base for i in range(self.engines)]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,7 +109,10 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
     ids = engine_ids(cfg.engines)
     # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
     sched_cfg = SchedulerConfig(stream_outputs=False)
-    engines = [EngineCore(eid, profile, policy=scheduler, config=sched_cfg) for eid in ids]
+    engines = [
+        EngineCore(eid, prof, policy=scheduler, config=sched_cfg)
+        for eid, prof in zip(ids, cfg.engine_profiles(), strict=True)
+    ]
     router = _TimedRouter(make_router(policy, random.Random(f"router:{cfg.seed}")))
     world = World(
         router,
@@ -99,9 +123,9 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
         link=cfg.link,
     )
     if cfg.static_engines:
-        for slot in world.slots:
+        for slot, eng in zip(world.slots, engines, strict=True):
             router.add_static_engine(
-                slot.core.engine_id, slot.url, world.models, profile=profile.name
+                slot.core.engine_id, slot.url, world.models, profile=eng.profile.name
             )
     return world
 
@@ -135,6 +159,7 @@ def run_one(
     ids = [s.core.engine_id for s in world.slots]
     route_s = world.router.route_s if isinstance(world.router, _TimedRouter) else 0.0
     summary = summarize(world.records, engines=ids)
+    summary["busy_s"] = {slot.core.engine_id: round(slot.core.busy_s, 3) for slot in world.slots}
     if records is not None:
         records.extend(world.records)
     st = world.stats

@@ -53,6 +53,7 @@ class EngineLike(Protocol):
     """The part of ``engine.core.EngineCore`` the world drives (the agreed interface)."""
 
     engine_id: str
+    busy_s: float  # time spent in steps: the GPU's busy time
 
     def submit(self, req: Any, now: float) -> None: ...
     def cancel(self, request_id: str, now: float) -> None: ...

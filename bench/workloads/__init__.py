@@ -135,6 +135,7 @@ WORKLOADS: dict[str, Callable[[WorkloadOptions], list[Request]]] = {
     "multi_turn_chat": _synthetic(synthetic.multi_turn_chat),
     "preble_mix": _preble_mix,
     "qwen_mix": _qwen,
+    "zipf_doc_qa": _synthetic(synthetic.zipf_doc_qa),
 }
 
 

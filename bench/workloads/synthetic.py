@@ -12,6 +12,9 @@ exact datasets):
   then a unique problem (~400 tokens); answers ~300 tokens.
 * ``multi_turn_chat``: sessions of several turns; each turn resends the whole history (shared
   system prompt, earlier user and assistant messages) plus a new user message.
+* ``zipf_doc_qa`` (not in Preble): document QA over a large library with Zipf popularity, every
+  prompt opening with the same short instruction (shorter than one KV block), mixed with unique
+  chat requests: more distinct documents than one engine caches, so placement decides hit rates.
 
 Arrivals are open-loop: Poisson by default, Gamma with coefficient of variation ``cv`` for bursts.
 """
@@ -282,6 +285,52 @@ def multi_turn_chat(
             history = (*turns, Turn("assistant", (_seg("chat-a", answer, seed, s, k),)))
             t += rng.expovariate(1.0 / think_time_s)
     out.sort(key=lambda r: r.arrival)
+    return out
+
+
+def zipf_doc_qa(
+    rate: float,
+    duration: float,
+    seed: int = 0,
+    *,
+    n_docs: int = 300,
+    zipf_s: float = 1.0,
+    doc_tokens: float = 3000,
+    question_tokens: float = 40,
+    output_tokens: float = 120,
+    chat_share: float = 0.3,
+    cv: float = 1.0,
+    slo: Slo = SLO_CLASSES["relaxed"],
+    model: str = DEFAULT_MODEL,
+) -> list[Request]:
+    """Zipf-popular documents (lognormal sizes around ``doc_tokens``) behind one shared 3-token
+    instruction, a unique question each; ``chat_share`` of the requests are unique chats."""
+    rng = random.Random(f"zipf_doc_qa:{seed}")
+    sizes = [lognormal_int(rng, doc_tokens, 0.6, 300, 16000) for _ in range(n_docs)]
+    zipf = Zipf(n_docs, zipf_s)
+    header = _seg("zdoc-header", 3, seed)  # shorter than a block: must never count as cached
+    out = []
+    for i, t in enumerate(arrivals(rng, rate, duration, cv)):
+        if rng.random() < chat_share:
+            segs = (_seg("zdoc-chat", lognormal_int(rng, 600, 0.8, 8, 6000), seed, i),)
+            kind, n_out = "chat", lognormal_int(rng, 150, 0.7, 1, 1500)
+        else:
+            doc = zipf.sample(rng)
+            q = lognormal_int(rng, question_tokens, 0.5, 4, 400)
+            segs = (header, _seg("zdoc", sizes[doc], seed, doc), _seg("zdoc-q", q, seed, i))
+            kind, n_out = "doc_qa", lognormal_int(rng, output_tokens, 0.6, 1, 1000)
+        out.append(
+            make_request(
+                f"zdoc-{seed}-{i}",
+                t,
+                (Turn("", segs),),
+                n_out,
+                endpoint="completions",
+                kind=kind,
+                slo=slo,
+                model=model,
+            )
+        )
     return out
 
 

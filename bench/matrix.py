@@ -1,0 +1,654 @@
+"""The routing matrix: every policy over workloads x load x fleets, the judge of routing quality.
+
+For each workload, fleet size and fleet kind (``homo``: identical engines; ``hetero``: every
+second engine ``slow_factor`` times slower, announcing the same profile, so the router is not
+told) the matrix first finds the *knee*: the request rate at which round robin first drops below
+90% SLO attainment (90% of what it attains at light load, when that is below 100%), by a
+geometric bisection on the rate. Then it runs every policy at multiples
+of the knee (x0.5, x1, x1.5, x2) over the same requests (only the arrival times are compressed),
+in the discrete-event simulator with the real router and engine code (:mod:`bench.sim`).
+
+Per run it keeps SLO attainment, goodput, TTFT p50/p90/p99, TPOT p99, the prefix hit rate, the
+load spread (max/mean of the engines' busy time, which is fair to a heterogeneous fleet, and of
+requests) and how many requests the router shed. Per cell it compares the default policy (e2)
+with the best other policy on each metric; the heatmaps show those differences. The verdicts are
+issue 17's: in every cell e2's attainment at least the best other's minus 1 point and its p99
+TTFT at most 1.1x the best; over the matrix a geometric-mean p99 TTFT at least 20% below
+cache_aware's, and at least 2x below round robin's where round robin misses 90%; load max/mean
+at most 1.3 unless a hit-rate gain pays for it; attainment within 1 point across seeds.
+
+Cells are sized by request count (``requests_per_engine`` x engines, clamped), not by time, so a
+64-engine cell carries its fleet as many requests per engine as a 4-engine cell does, up to the
+cap. Everything is seeded: a run is a pure function of its inputs (``tests/bench``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, replace
+from functools import cache
+from pathlib import Path
+
+import orjson
+
+from bench.sim.runner import SimConfig, run_one
+from bench.workloads import Request, WorkloadOptions, build_workload, scale_rate
+from kvgate.cost_model import load_profile
+from router.policies.registry import POLICIES
+
+DEFAULT_WORKLOADS = (
+    "mooncake",
+    "azure",
+    "tool_use",
+    "long_doc_qa",
+    "programming",
+    "multi_turn_chat",
+    "preble_mix",
+    "qwen_mix",
+    "zipf_doc_qa",
+)
+DEFAULT_POLICIES = tuple(POLICIES)  # every registered policy; e2 (the default) first
+DEFAULT_FLEETS = (4, 16, 64)
+DEFAULT_KINDS = ("homo", "hetero")
+DEFAULT_RATES = (0.5, 1.0, 1.5, 2.0)
+SUBJECT = "e2"
+KINDS = ("homo", "hetero")
+# Workloads with SLOs of their own keep them; the others get DistServe-style scaled SLOs: TTFT
+# 5x the request's unloaded prefill time (at least 250 ms), TPOT 100 ms.
+OWN_SLOS = {"qwen_mix"}
+SCALED_SLO = "scaled:5:100"
+SYNTHETIC_RATE = 4.0  # requests/s a synthetic family is generated at (the knee rescales it)
+
+
+@dataclass(frozen=True, slots=True)
+class MatrixSpec:
+    """What the matrix runs (picklable: worker processes rebuild workloads from it)."""
+
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    fleets: tuple[int, ...] = DEFAULT_FLEETS
+    kinds: tuple[str, ...] = DEFAULT_KINDS
+    rates: tuple[float, ...] = DEFAULT_RATES
+    seeds: tuple[int, ...] = (0,)
+    requests_per_engine: int = 40
+    min_requests: int = 600
+    max_requests: int = 1600
+    knee_attainment: float = 0.9  # round robin's attainment that defines the knee
+    knee_tolerance: float = 0.05  # bisect until the bracket's ratio is below 1 + this
+    scheduler: str = "slo"
+    slow_factor: float = 2.0
+    profile: str = "mistral-7b-a6000"
+    baseline: str = "round_robin"  # the policy whose knee defines the rates
+
+    def __post_init__(self) -> None:
+        for kind in self.kinds:
+            if kind not in KINDS:
+                raise ValueError(f"fleet kind {kind!r}: one of {', '.join(KINDS)}")
+        if self.baseline not in POLICIES and not self.baseline.startswith(tuple(POLICIES)):
+            raise ValueError(f"baseline {self.baseline!r} is not a policy")
+        if not self.policies or not self.fleets or not self.rates or not self.seeds:
+            raise ValueError("policies, fleets, rates and seeds must not be empty")
+        if min(self.fleets) < 1 or self.min_requests < 1 or self.max_requests < self.min_requests:
+            raise ValueError("fleets and request bounds must be positive and ordered")
+
+    def requests_for(self, fleet: int) -> int:
+        return max(self.min_requests, min(self.max_requests, self.requests_per_engine * fleet))
+
+    def sim_config(self, fleet: int, kind: str, seed: int) -> SimConfig:
+        return SimConfig(
+            engines=fleet,
+            profile=self.profile,
+            seed=seed,
+            slow_factor=self.slow_factor if kind == "hetero" else 1.0,
+        )
+
+    def combos(self) -> list[tuple[str, int, str]]:
+        """(workload, fleet, kind), biggest fleets first (they take longest: start them early)."""
+        return [
+            (w, f, k)
+            for f in sorted(self.fleets, reverse=True)
+            for w in self.workloads
+            for k in self.kinds
+        ]
+
+
+QUICK = MatrixSpec(
+    workloads=("mooncake", "tool_use", "qwen_mix", "zipf_doc_qa"),
+    fleets=(4, 16),
+    rates=(1.0, 2.0),
+    min_requests=400,
+    max_requests=800,
+)
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+@cache
+def base_workload(workload: str, seed: int, n: int, profile: str) -> tuple[Request, ...]:
+    """The first ``n`` requests of ``workload`` at its own rate, with the matrix's SLOs (cached
+    per process: every cell of a combo compresses the same requests)."""
+    slo = None if workload in OWN_SLOS else SCALED_SLO
+    trace = workload in ("mooncake", "azure") or workload.endswith((".jsonl", ".csv"))
+    opts = WorkloadOptions(
+        seed=seed,
+        rate=SYNTHETIC_RATE,
+        # synthetic families: long enough for n requests (multi-turn sessions end early)
+        duration=None if trace else 1.5 * n / SYNTHETIC_RATE + 30.0,
+        max_requests=n,
+        slo=slo,
+        spread=1.0 if trace else 0.0,  # one-second trace timestamps: no artificial bursts
+    )
+    reqs = build_workload(workload, opts, profile=load_profile(profile))
+    if len(reqs) < n:
+        raise ValueError(f"{workload}: only {len(reqs)} requests, the cell needs {n}")
+    return tuple(reqs)
+
+
+def base_rate(requests: Sequence[Request]) -> float:
+    """Requests per second of a workload as generated (before compression)."""
+    span = requests[-1].arrival - requests[0].arrival
+    return (len(requests) - 1) / span if span > 0 else float(len(requests))
+
+
+def capacity_guess(spec: MatrixSpec, requests: Sequence[Request], fleet: int) -> float:
+    """A first rate-scale guess for the knee: the fleet's prefill capacity if nothing were
+    cached, at 60% (decode shares the GPU). Only the bisection's starting point."""
+    prof = load_profile(spec.profile)
+    mean_ms = sum(prof.prefill_ms(r.input_tokens) for r in requests) / len(requests)
+    rps = 0.6 * fleet * 1000.0 / max(mean_ms, 1e-3)
+    return rps / base_rate(requests)
+
+
+# ---------------------------------------------------------------------- one run
+
+
+def compact(result: dict, *, seed: int, scale: float, rps: float, slow: Sequence[int]) -> dict:
+    """The figures the matrix keeps of one simulator run (see :func:`bench.sim.runner.run_one`)."""
+    s = result["summary"]
+    busy = list(s.get("busy_s", {}).values())
+    mean_busy = sum(busy) / len(busy) if busy else 0.0
+    per_engine = list(s.get("per_engine_requests", {}).values())
+    return {
+        "policy": result["policy"],
+        "seed": seed,
+        "scale": scale,
+        "rps": round(rps, 4),
+        "requests": s["requests"],
+        "attainment": s.get("slo_attainment", 0.0),
+        "goodput_rps": s.get("goodput_rps"),
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "ttft_p90_ms": s["ttft_ms"]["p90"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "tpot_p99_ms": s["tpot_ms"]["p99"],
+        "hit_rate": s.get("prefix_hit_rate") or 0.0,
+        "load_max_mean": round(max(busy) / mean_busy, 4) if mean_busy > 0 else None,
+        "requests_max_mean": (
+            round(max(per_engine) / (sum(per_engine) / len(per_engine)), 4)
+            if per_engine and sum(per_engine)
+            else None
+        ),
+        "slow_engine_share": (
+            round(sum(per_engine[i] for i in slow) / sum(per_engine), 4)
+            if slow and per_engine and sum(per_engine)
+            else None
+        ),
+        "shed_router": result["sim"]["shed_by_router"],
+        "rejected": s.get("status", {}).get("429", 0) - result["sim"]["shed_by_router"],
+        "reasons": s.get("reasons", {}),
+        "wall_s": result["sim"]["wall_s"],
+    }
+
+
+def run_cell_policy(
+    spec: MatrixSpec, workload: str, fleet: int, kind: str, policy: str, scale: float, seed: int
+) -> dict:
+    """One policy on one cell: the compact figures."""
+    n = spec.requests_for(fleet)
+    base = base_workload(workload, seed, n, spec.profile)
+    reqs = scale_rate(base, scale)
+    cfg = spec.sim_config(fleet, kind, seed)
+    result = run_one(reqs, policy, spec.scheduler, cfg, rate_scale=scale)
+    slow = range(1, fleet, 2) if kind == "hetero" else ()
+    return compact(result, seed=seed, scale=scale, rps=base_rate(base) * scale, slow=list(slow))
+
+
+def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
+    """The knee: the smallest rate scale (within ``knee_tolerance``) at which the baseline's
+    attainment is below ``knee_attainment`` x its attainment at light load (1/8 of a capacity
+    guess). The light-load factor is 1 unless some requests cannot meet their SLO on some
+    engines even alone (a heterogeneous fleet whose slow engines cannot decode a long context
+    within its TPOT): then the knee is where load costs another 10%, not a rate near zero.
+    Found by doubling or halving from the capacity guess, then bisecting geometrically.
+    Returns the probes and the baseline's run at the knee (reused as its x1 cell)."""
+    seed = spec.seeds[0]
+    n = spec.requests_for(fleet)
+    base = base_workload(workload, seed, n, spec.profile)
+    probes: dict[float, dict] = {}
+
+    def attainment(scale: float) -> float:
+        scale = float(f"{scale:.6g}")
+        if scale not in probes:
+            probes[scale] = run_cell_policy(spec, workload, fleet, kind, spec.baseline, scale, seed)
+        return probes[scale]["attainment"]
+
+    guess = float(f"{capacity_guess(spec, base, fleet):.6g}")
+    light = attainment(guess / 8)
+    target = spec.knee_attainment * light
+    s = guess
+    lo, hi = None, None
+    for _ in range(16):  # bracket (bounded)
+        if attainment(s) >= target:
+            lo = s
+            if hi is not None:
+                break
+            s *= 2.0
+        else:
+            hi = s
+            if lo is not None:
+                break
+            s /= 2.0
+        s = float(f"{s:.6g}")
+    if lo is None or hi is None:
+        raise RuntimeError(f"{workload}/{fleet}/{kind}: no knee found between the probes")
+    while hi / lo > 1.0 + spec.knee_tolerance:
+        mid = float(f"{math.sqrt(lo * hi):.6g}")
+        if mid in (lo, hi):
+            break
+        if attainment(mid) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return {
+        "scale": hi,
+        "rps": round(base_rate(base) * hi, 4),
+        "rps_per_engine": round(base_rate(base) * hi / fleet, 4),
+        "requests": n,
+        "light_attainment": light,
+        "target_attainment": round(target, 4),
+        "probes": [{"scale": k, "attainment": v["attainment"]} for k, v in sorted(probes.items())],
+        "baseline_run": probes[hi],
+    }
+
+
+# ---------------------------------------------------------------------- the matrix
+
+
+def _worker_calibrate(spec: MatrixSpec, combo: tuple[str, int, str]) -> dict:
+    return calibrate(spec, *combo)
+
+
+def _worker_run(
+    spec: MatrixSpec, combo: tuple[str, int, str], policy: str, scale: float, seed: int
+) -> dict:
+    return run_cell_policy(spec, *combo, policy, scale, seed)
+
+
+class _Inline:
+    """A stand-in for the process pool when ``jobs == 1`` (runs each task when submitted)."""
+
+    def submit(self, fn: Callable, *args: object) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:  # a failed task fails its future, as in a pool
+            fut.set_exception(exc)
+        return fut
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def run_matrix(
+    spec: MatrixSpec,
+    *,
+    jobs: int = 1,
+    out: Path | None = None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> dict:
+    """Calibrate every combo, run every cell, print progress and a table per combo, save the
+    document to ``out`` after every combo (a crash keeps what finished)."""
+    t0 = time.perf_counter()
+    combos = spec.combos()
+    doc: dict = {
+        "kind": "kvgate-matrix",
+        "spec": asdict(spec),
+        "combos": [],
+        "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
+    per_combo = len(spec.rates) * len(spec.policies) * len(spec.seeds)
+    total = len(combos) * per_combo
+    done = 0
+    state: dict[tuple[str, int, str], dict] = {}
+    pool_cm = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else _Inline()
+    with pool_cm as pool:
+        pending: dict[Future, tuple] = {}
+        for combo in combos:
+            pending[pool.submit(_worker_calibrate, spec, combo)] = ("calibrate", combo)
+        while pending:
+            finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                task = pending.pop(fut)
+                combo = task[1]
+                if task[0] == "calibrate":
+                    knee = fut.result()
+                    st = state[combo] = {"knee": knee, "runs": {}, "left": per_combo}
+                    log(
+                        f"matrix: knee {_name(combo)}: x{knee['scale']:g} = "
+                        f"{knee['rps']:.3g} req/s ({knee['rps_per_engine']:.3g} per engine), "
+                        f"{len(knee['probes'])} probes"
+                    )
+                    for rate in spec.rates:
+                        for seed in spec.seeds:
+                            for policy in spec.policies:
+                                scale = float(f"{knee['scale'] * rate:.6g}")
+                                key = (rate, seed, policy)
+                                if (
+                                    policy == spec.baseline
+                                    and rate == 1.0
+                                    and seed == spec.seeds[0]
+                                ):
+                                    st["runs"][key] = knee["baseline_run"]
+                                    st["left"] -= 1
+                                    done += 1
+                                    continue
+                                args = (spec, combo, policy, scale, seed)
+                                pending[pool.submit(_worker_run, *args)] = ("run", combo, key)
+                else:
+                    st = state[combo]
+                    st["runs"][task[2]] = fut.result()
+                    st["left"] -= 1
+                    done += 1
+                    r = st["runs"][task[2]]
+                    log(
+                        f"matrix [{done}/{total}] {_name(combo)} x{task[2][0]:g} "
+                        f"seed {task[2][1]} {task[2][2]:<16} SLO {100 * r['attainment']:5.1f}% "
+                        f"p99 {(r['ttft_p99_ms'] or 0) / 1000:7.2f} s hit "
+                        f"{100 * r['hit_rate']:5.1f}% ({r['wall_s']:.1f} s)"
+                    )
+                if state.get(combo, {}).get("left") == 0:
+                    entry = _combo_entry(spec, combo, state.pop(combo))
+                    doc["combos"].append(entry)
+                    log(format_combo(spec, entry))
+                    doc["verdict"] = verdict(spec, doc["combos"])
+                    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+                    if out is not None:
+                        save(doc, out)
+    doc["combos"].sort(key=lambda e: (e["workload"], e["fleet"], e["kind"]))
+    doc["verdict"] = verdict(spec, doc["combos"])
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    if out is not None:
+        save(doc, out)
+    return doc
+
+
+def _name(combo: tuple[str, int, str]) -> str:
+    w, f, k = combo
+    return f"{w}/{f}/{k}"
+
+
+def _combo_entry(spec: MatrixSpec, combo: tuple[str, int, str], st: dict) -> dict:
+    workload, fleet, kind = combo
+    cells = []
+    for rate in spec.rates:
+        runs = [st["runs"][(rate, seed, policy)] for seed in spec.seeds for policy in spec.policies]
+        cells.append({"rate": rate, "scale": runs[0]["scale"], "runs": runs})
+    return {"workload": workload, "fleet": fleet, "kind": kind, "knee": st["knee"], "cells": cells}
+
+
+def save(doc: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    tmp.replace(out)
+
+
+# ---------------------------------------------------------------------- judging
+
+
+def _by_policy(cell: dict, seed: int | None = None) -> dict[str, dict]:
+    """The cell's runs of one seed (the first by default) by policy."""
+    runs = cell["runs"]
+    if seed is None:
+        seed = runs[0]["seed"]
+    return {r["policy"]: r for r in runs if r["seed"] == seed}
+
+
+def _p99(run: dict) -> float:
+    """p99 TTFT in ms; a run that served nothing counts as infinitely slow."""
+    v = run.get("ttft_p99_ms")
+    return float(v) if v is not None else math.inf
+
+
+def compare(cell: dict, subject: str = SUBJECT) -> dict | None:
+    """The subject against the best other policy in one cell (None: the subject did not run).
+    ``attainment`` and ``hit_rate`` as differences (points of 1), TTFT as ratios."""
+    runs = _by_policy(cell)
+    me = runs.get(subject)
+    others = [r for p, r in runs.items() if p != subject]
+    if me is None or not others:
+        return None
+    best_att = max(r["attainment"] for r in others)
+    best_p99 = min(_p99(r) for r in others)
+    best_p50 = min((r["ttft_p50_ms"] or math.inf) for r in others)
+    best_hit = max(r["hit_rate"] for r in others)
+    p99_ratio = _p99(me) / best_p99 if best_p99 > 0 else math.inf
+    return {
+        "attainment": round(me["attainment"] - best_att, 4),
+        "ttft_p99_ratio": round(p99_ratio, 4) if math.isfinite(p99_ratio) else None,
+        "ttft_p50_ratio": (
+            round((me["ttft_p50_ms"] or math.inf) / best_p50, 4)
+            if me["ttft_p50_ms"] is not None and math.isfinite(best_p50) and best_p50 > 0
+            else None
+        ),
+        "hit_rate": round(me["hit_rate"] - best_hit, 4),
+        "load_max_mean": me["load_max_mean"],
+        "best_attainment_by": max(others, key=lambda r: r["attainment"])["policy"],
+        "best_p99_by": min(others, key=_p99)["policy"],
+    }
+
+
+def _geomean(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v > 0 and math.isfinite(v)]
+    if not vals:
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) -> dict:
+    """Issue 17's checks over what has run so far."""
+    cell_fail: list[str] = []
+    spread_fail: list[str] = []
+    seed_fail: list[str] = []
+    ratios_ca: list[float] = []
+    ratios_rr: list[float] = []
+    n_cells = 0
+    for entry in combos:
+        for cell in entry["cells"]:
+            name = f"{entry['workload']}/{entry['fleet']}/{entry['kind']}/x{cell['rate']:g}"
+            cmp = compare(cell, subject)
+            if cmp is None:
+                continue
+            n_cells += 1
+            runs = _by_policy(cell)
+            me = runs[subject]
+            ok_att = cmp["attainment"] >= -0.01
+            ok_p99 = cmp["ttft_p99_ratio"] is not None and cmp["ttft_p99_ratio"] <= 1.1
+            if not (ok_att and ok_p99):
+                cell_fail.append(
+                    f"{name}: attainment {100 * cmp['attainment']:+.1f} pt vs "
+                    f"{cmp['best_attainment_by']}, p99 x{cmp['ttft_p99_ratio']} vs "
+                    f"{cmp['best_p99_by']}"
+                )
+            if "cache_aware" in runs:
+                ratios_ca.append(_p99(me) / _p99(runs["cache_aware"]))
+            rr = runs.get("round_robin")
+            if rr is not None and rr["attainment"] < 0.9:
+                ratios_rr.append(_p99(rr) / _p99(me))
+            lmm = me["load_max_mean"]
+            if lmm is not None and lmm > 1.3 and not (cmp["hit_rate"] > 0.01 and ok_att and ok_p99):
+                spread_fail.append(f"{name}: load max/mean {lmm:.2f}")
+            seeds = sorted({r["seed"] for r in cell["runs"]})
+            if len(seeds) > 1:
+                atts = [_by_policy(cell, s)[subject]["attainment"] for s in seeds]
+                if max(atts) - min(atts) > 0.01:
+                    seed_fail.append(f"{name}: attainment {min(atts):.3f}..{max(atts):.3f}")
+    gm_ca = _geomean(ratios_ca)
+    gm_rr = _geomean(ratios_rr)
+    return {
+        "subject": subject,
+        "cells": n_cells,
+        "cells_failed": cell_fail,
+        "geomean_p99_vs_cache_aware": round(gm_ca, 4) if gm_ca is not None else None,
+        "geomean_p99_gain_vs_round_robin_below_90": round(gm_rr, 4) if gm_rr is not None else None,
+        "round_robin_below_90_cells": len(ratios_rr),
+        "load_spread_failed": spread_fail,
+        "seed_spread_failed": seed_fail,
+        "passed": {
+            "every_cell": not cell_fail,
+            "geomean_vs_cache_aware": gm_ca is not None and gm_ca <= 0.8,
+            "geomean_vs_round_robin": gm_rr is None or gm_rr >= 2.0,
+            "load_spread": not spread_fail,
+            "seeds": not seed_fail,
+        },
+    }
+
+
+# ---------------------------------------------------------------------- output
+
+
+def format_combo(spec: MatrixSpec, entry: dict) -> str:
+    """One combo as a text table: a row per (rate, policy)."""
+    knee = entry["knee"]
+    lines = [
+        f"== {entry['workload']} / {entry['fleet']} engines / {entry['kind']}: knee "
+        f"{knee['rps']:.3g} req/s ({knee['requests']} requests a cell)",
+        f"{'rate':>5} {'policy':<18} {'SLO%':>6} {'p50 s':>7} {'p99 s':>7} {'hit%':>6} "
+        f"{'load':>5} {'shed':>5}",
+    ]
+    for cell in entry["cells"]:
+        for r in sorted(_by_policy(cell).values(), key=lambda r: -r["attainment"]):
+            lines.append(
+                f"x{cell['rate']:<4g} {r['policy']:<18} {100 * r['attainment']:6.1f} "
+                f"{(r['ttft_p50_ms'] or 0) / 1000:7.2f} {(r['ttft_p99_ms'] or 0) / 1000:7.2f} "
+                f"{100 * r['hit_rate']:6.1f} {r['load_max_mean'] or 0:5.2f} "
+                f"{r['shed_router'] + r['rejected']:5d}"
+            )
+    return "\n".join(lines)
+
+
+def format_verdict(v: dict) -> str:
+    p = v["passed"]
+    lines = [
+        f"verdict for {v['subject']} over {v['cells']} cells:",
+        f"  every cell (attainment >= best - 1 pt, p99 <= 1.1x best): "
+        f"{'PASS' if p['every_cell'] else 'FAIL'} ({len(v['cells_failed'])} failed)",
+        f"  geomean p99 vs cache_aware: {v['geomean_p99_vs_cache_aware']} (<= 0.8: "
+        f"{'PASS' if p['geomean_vs_cache_aware'] else 'FAIL'})",
+        f"  geomean p99 gain vs round_robin where it is below 90% "
+        f"({v['round_robin_below_90_cells']} cells): "
+        f"{v['geomean_p99_gain_vs_round_robin_below_90']} (>= 2: "
+        f"{'PASS' if p['geomean_vs_round_robin'] else 'FAIL'})",
+        f"  load max/mean <= 1.3 unless hits pay: {'PASS' if p['load_spread'] else 'FAIL'} "
+        f"({len(v['load_spread_failed'])} failed)",
+        f"  attainment within 1 pt across seeds: {'PASS' if p['seeds'] else 'FAIL'}",
+    ]
+    lines += [f"    cell: {c}" for c in v["cells_failed"]]
+    lines += [f"    load: {c}" for c in v["load_spread_failed"]]
+    lines += [f"    seeds: {c}" for c in v["seed_spread_failed"]]
+    return "\n".join(lines)
+
+
+HEATMAP_METRICS = {
+    # metric -> (title, colour map, centre, how to read a cell)
+    "attainment": ("SLO attainment: e2 minus the best other (points)", "RdYlGn", 0.0),
+    "ttft_p99_ratio": ("p99 TTFT: e2 / the best other (log2)", "RdYlGn_r", 0.0),
+    "hit_rate": ("prefix hit rate: e2 minus the best other (points)", "RdYlGn", 0.0),
+    "load_max_mean": ("load max/mean of e2 (busy time)", "RdYlGn_r", 1.3),
+}
+
+
+def heatmap_grid(doc: dict, metric: str) -> tuple[list[str], list[str], list[list[float | None]]]:
+    """Rows (workload/kind), columns (fleet x rate) and values of one heatmap."""
+    combos = doc["combos"]
+    rows = sorted({(e["workload"], e["kind"]) for e in combos})
+    cols = sorted({(e["fleet"], c["rate"]) for e in combos for c in e["cells"]})
+    grid: list[list[float | None]] = [[None] * len(cols) for _ in rows]
+    for e in combos:
+        for c in e["cells"]:
+            cmp = compare(c)
+            if cmp is None:
+                continue
+            v = cmp.get(metric)
+            if v is None:
+                continue
+            if metric == "ttft_p99_ratio":
+                v = math.log2(v) if v > 0 else None
+            elif metric in ("attainment", "hit_rate"):
+                v = 100.0 * v
+            grid[rows.index((e["workload"], e["kind"]))][cols.index((e["fleet"], c["rate"]))] = v
+    return (
+        [f"{w} ({k})" for w, k in rows],
+        [f"{f} eng x{r:g}" for f, r in cols],
+        grid,
+    )
+
+
+def draw_heatmaps(doc: dict, out_dir: Path, stem: str = "matrix") -> list[Path]:
+    """One PNG per metric (needs matplotlib; returns [] without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import TwoSlopeNorm
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for metric, (title, cmap, centre) in HEATMAP_METRICS.items():
+        rows, cols, grid = heatmap_grid(doc, metric)
+        if not rows:
+            continue
+        vals = [v for row in grid for v in row if v is not None]
+        if not vals:
+            continue
+        span = max(abs(v - centre) for v in vals) or 1.0
+        norm = TwoSlopeNorm(vcenter=centre, vmin=centre - span, vmax=centre + span)
+        data = [[math.nan if v is None else v for v in row] for row in grid]
+        fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(cols), 1.2 + 0.32 * len(rows)))
+        im = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto")
+        ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v is not None:
+                    ax.text(
+                        j,
+                        i,
+                        f"{v:.1f}" if abs(v) < 100 else f"{v:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize=5.5,
+                    )
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        fig.tight_layout()
+        path = out_dir / f"{stem}_{metric}.png"
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def quick_spec(**changes: object) -> MatrixSpec:
+    """The ``--quick`` slice, with overrides."""
+    return replace(QUICK, **changes)  # type: ignore[arg-type]
