@@ -72,7 +72,17 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
     if kind in ("st", "pe"):
         return [kind, env.ts, ev.request_id]
     if kind == "ft":
-        return [kind, env.ts, ev.request_id, ev.ttft_ms]
+        if ev.prefill_ms is None:
+            return [kind, env.ts, ev.request_id, ev.ttft_ms]
+        return [
+            kind,
+            env.ts,
+            ev.request_id,
+            ev.ttft_ms,
+            ev.prefill_ms,
+            ev.prefill_tokens,
+            ev.context_tokens,
+        ]
     if kind == "fi":
         return [kind, env.ts, ev.request_id, ev.output_tokens, ev.ttft_ms, ev.tpot_ms]
     if kind == "rj":
@@ -90,6 +100,11 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
             ev.profile,
             ev.url,
             list(ev.models),
+            *(
+                ()
+                if ev.decode_step_ms is None
+                else (ev.decode_step_ms, ev.decode_batch, ev.decode_context)
+            ),
         ]
     raise CodecError(f"cannot encode event kind {kind!r}")
 
@@ -182,9 +197,11 @@ def decode_batch(fields: Mapping) -> list[Envelope]:
         raise CodecError(str(exc) or type(exc).__name__) from exc
 
 
-def _arity(rec: list, n: int, kind: str) -> None:
-    if len(rec) != n:
-        raise CodecError(f"{kind} record needs {n} items, got {len(rec)}")
+def _arity(rec: list, n: int, kind: str, optional: int = 0) -> None:
+    """``rec`` has ``n`` items, or up to ``optional`` more (fields added later, in order)."""
+    if not n <= len(rec) <= n + optional:
+        want = f"{n}" if not optional else f"{n} to {n + optional}"
+        raise CodecError(f"{kind} record needs {want} items, got {len(rec)}")
 
 
 def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
@@ -217,8 +234,8 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 3, "pe")
         return RequestPreempted(rec[2]), offset
     if kind == "ft":
-        _arity(rec, 4, "ft")
-        return FirstToken(rec[2], rec[3]), offset
+        _arity(rec, 4, "ft", optional=3)
+        return FirstToken(*rec[2:]), offset
     if kind == "fi":
         _arity(rec, 6, "fi")
         return RequestFinished(*rec[2:]), offset
@@ -226,11 +243,11 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 4, "rj")
         return RequestRejected(rec[2], rec[3]), offset
     if kind == "hb":
-        _arity(rec, 11, "hb")
+        _arity(rec, 11, "hb", optional=3)
         models = rec[10]
         if not isinstance(models, list):
             raise CodecError("hb: models must be a list")
-        return LoadHeartbeat(*rec[2:10], tuple(models)), offset
+        return LoadHeartbeat(*rec[2:10], tuple(models), *rec[11:]), offset
     raise CodecError(f"unknown event kind {kind!r}")
 
 

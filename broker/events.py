@@ -150,15 +150,29 @@ class RequestStarted:
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
-    """The request produced its first output token ``ttft_ms`` after arrival."""
+    """The request produced its first output token ``ttft_ms`` after arrival.
+
+    Optional (engines that know them; routers fit the engine's real prefill speed from them,
+    :class:`kvgate.cost_model.SpeedFit`): ``prefill_ms``, the execution time of the prefill
+    batches that computed this request's prompt (not the time it waited, nor decode steps in
+    between); ``prefill_tokens``, the new tokens of those batches (its own and its batch
+    mates'); ``context_tokens``, its cached tokens when its prefill began."""
 
     KIND: ClassVar[str] = "ft"
     request_id: str
     ttft_ms: float
+    prefill_ms: float | None = None
+    prefill_tokens: int | None = None
+    context_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_text("request_id", self.request_id)
         _check_ms("ttft_ms", self.ttft_ms)
+        _check_ms("prefill_ms", self.prefill_ms, optional=True)
+        if self.prefill_tokens is not None:
+            _check_count("prefill_tokens", self.prefill_tokens)
+        if self.context_tokens is not None:
+            _check_count("context_tokens", self.context_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +225,10 @@ class LoadHeartbeat:
 
     ``vbs`` is SCORPIO's virtual batch size (sum of TRP over running requests), ``profile`` the
     name of the engine's cost profile (:mod:`kvgate.cost_model`), ``url`` its OpenAI base URL.
+    Optional, over the decode steps since the previous heartbeat (None: none ran, or unknown):
+    ``decode_step_ms`` their mean duration, ``decode_batch`` their mean batch size and
+    ``decode_context`` the mean context of their requests, in tokens (routers fit the engine's
+    real decode speed from them).
     """
 
     KIND: ClassVar[str] = "hb"
@@ -223,8 +241,13 @@ class LoadHeartbeat:
     profile: str
     url: str
     models: tuple[str, ...]
+    decode_step_ms: float | None = None
+    decode_batch: float | None = None
+    decode_context: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("decode_step_ms", "decode_batch", "decode_context"):
+            _check_ms(name, getattr(self, name), optional=True)
         for name in (
             "waiting",
             "running",

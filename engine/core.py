@@ -99,6 +99,7 @@ class _Step:
     unit: PrefillUnit | None
     ops: int
     end: float
+    mean_ctx: float = 0.0  # of the decode batch
 
     @property
     def prefill_start(self) -> float:
@@ -145,6 +146,12 @@ class EngineCore:
         self._admitted = 0
         self.finished = 0
         self.rejected = 0
+        self.busy_s = 0.0  # time spent in steps (completed ones): the GPU's busy time
+        # what routers fit this engine's real speed from (broker.events FirstToken and
+        # LoadHeartbeat): per request in prefill, [execution ms, batch tokens] of its finished
+        # prefill units; decode steps since the last heartbeat: [count, ms, batch, context]
+        self._prefill_work: dict[str, list[float]] = {}
+        self._decode_stats = [0, 0.0, 0.0, 0.0]
 
     # ------------------------------------------------------------------ driving API
 
@@ -211,6 +218,7 @@ class EngineCore:
         st = self._states.pop(request_id, None)
         if st is None:
             return
+        self._prefill_work.pop(request_id, None)
         if st.phase is Phase.WAITING:
             self.waiting.remove(st)
             st.move(Phase.FINISHED)
@@ -265,9 +273,13 @@ class EngineCore:
         return out
 
     def heartbeat(self, url: str, models: tuple[str, ...]) -> LoadHeartbeat:
+        """The engine's load now; its decode-step figures cover the steps since the previous
+        heartbeat (so call it once per heartbeat sent)."""
         queued = sum(st.prefill_tokens for st in self.waiting) + sum(
             st.remaining_prefill for st in self.prefilling
         )
+        steps, ms, batch, ctx = self._decode_stats
+        self._decode_stats = [0, 0.0, 0.0, 0.0]  # each heartbeat reports the steps since
         return LoadHeartbeat(
             waiting=len(self.waiting),
             running=self._admitted,
@@ -278,6 +290,9 @@ class EngineCore:
             profile=self.profile.name,
             url=url,
             models=models,
+            decode_step_ms=ms / steps if steps else None,
+            decode_batch=batch / steps if steps else None,
+            decode_context=ctx / steps if steps else None,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -408,9 +423,17 @@ class EngineCore:
             unit=unit,
             ops=plan.prefill_ops,
             end=t + (decode_ms + prefill_ms) / 1000.0,
+            mean_ctx=mean_ctx if plan.decode else 0.0,
         )
 
     def _complete(self, step: _Step, out: list[Output]) -> None:
+        self.busy_s += step.end - step.start
+        if step.decode:
+            ds = self._decode_stats
+            ds[0] += 1
+            ds[1] += step.decode_ms
+            ds[2] += len(step.decode)
+            ds[3] += step.mean_ctx
         stream = self.config.stream_outputs
         t_dec = step.end  # a step's results are released together when it ends
         for st in step.decode:
@@ -429,11 +452,17 @@ class EngineCore:
         if unit.ops_left > 0:
             return
         t = step.end
+        unit_tokens = unit.tokens
         for st, n, _ in unit.pieces:
             if st.unit is not unit:
                 continue  # cancelled
             st.unit = None
             st.prefilled += n
+            work = self._prefill_work.get(st.request_id)
+            if work is None:
+                work = self._prefill_work[st.request_id] = [0.0, 0.0]
+            work[0] += unit.total_ms
+            work[1] += unit_tokens
             if st.remaining_prefill > 0:
                 continue  # chunked: more chunks to come
             self.prefilling.remove(st)
@@ -441,7 +470,16 @@ class EngineCore:
             self._events.extend(self.cache.drain_events())
             st.generated = 1
             st.first_token_at = st.last_token_at = t
-            self._events.append(FirstToken(st.request_id, (t - st.req.arrival) * 1000.0))
+            work = self._prefill_work.pop(st.request_id)
+            self._events.append(
+                FirstToken(
+                    st.request_id,
+                    (t - st.req.arrival) * 1000.0,
+                    prefill_ms=work[0],
+                    prefill_tokens=int(work[1]),
+                    context_tokens=st.cached_tokens,
+                )
+            )
             if st.req.output_tokens <= 1:
                 out.append(Output(st.request_id, 0, (t,), self._finish(st, t)))
                 continue

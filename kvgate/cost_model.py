@@ -24,6 +24,9 @@ The default decode fit is derived from memory traffic, not measured here: Mistra
 (32 layers x 8 KV heads x 128 dims x 2 (K,V) x 2 bytes): a = 1.7e-4 ms per token of context per
 request; b = 0.08 ms of per-sequence work; c = 0. Replace it with a fit from a real engine.
 
+Speed variants: ``NAME@xK`` names profile ``NAME`` with every time multiplied by ``K`` (``@x2``:
+an engine twice as slow, ``@x0.5`` twice as fast), e.g. for a heterogeneous simulated fleet.
+
 Token rule (shared with the router): a request's token count is ``ceil(len(key_bytes) /
 bytes_per_token)``, at least 1; kvgate's engine caches blocks of ``block_tokens`` tokens, i.e.
 ``block_bytes = block_tokens x bytes_per_token`` bytes of the key.
@@ -32,7 +35,8 @@ bytes_per_token)``, at least 1; kvgate's engine caches blocks of ``block_tokens`
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
@@ -131,6 +135,23 @@ class CostProfile:
             + self.decode_d
         )
 
+    def slowed(self, factor: float) -> CostProfile:
+        """This profile with every prefill and decode time multiplied by ``factor`` (named
+        ``NAME@xFACTOR``): the same engine type on hardware ``factor`` times slower."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ProfileError(f"{self.name}: a speed factor must be a positive number")
+        if factor == 1:
+            return self
+        return replace(
+            self,
+            name=f"{self.name}@x{factor:g}",
+            efficiency=self.efficiency / factor,
+            decode_a=self.decode_a * factor,
+            decode_b=self.decode_b * factor,
+            decode_c=self.decode_c * factor,
+            decode_d=self.decode_d * factor,
+        )
+
     # ------------------------------------------------------------------ token rule
 
     @property
@@ -214,7 +235,15 @@ class CostProfile:
 
 
 def load_profile(name_or_path: str) -> CostProfile:
-    """A profile by name (``kvgate/profiles/NAME.json``) or by path to a JSON file."""
+    """A profile by name (``kvgate/profiles/NAME.json``) or by path to a JSON file; either
+    followed by ``@xK`` for that profile ``K`` times slower (see :meth:`CostProfile.slowed`)."""
+    base, at, factor = name_or_path.rpartition("@x")
+    if at and base:
+        try:
+            k = float(factor)
+        except ValueError:
+            raise ProfileError(f"{name_or_path}: want NAME@xFACTOR, e.g. NAME@x2") from None
+        return load_profile(base).slowed(k)
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.json"
@@ -237,3 +266,76 @@ def _load_cached(path: str) -> CostProfile:
 
 def default_profile() -> CostProfile:
     return load_profile(DEFAULT_PROFILE)
+
+
+LOG_CLIP = math.log(8.0)  # one sample says at most 8x slower or faster than the profile
+
+
+class SpeedFit:
+    """How much slower (> 1) or faster (< 1) than its cost profile an engine really runs, for
+    prefill and for decode, fitted online from what it reports: the execution time of a
+    request's prefill batches against the profile's time for the same tokens, the mean decode
+    step against the profile's step for the same batch and context (engines that cannot say
+    fall back on weaker evidence, such as the TTFT of a request that found the engine idle,
+    with a weight below 1). A profile describes an engine *type*; the fit catches the engine
+    that is not what its profile says (other hardware, a neighbour on the GPU, a wrong name).
+
+    Each factor is a weighted mean of ``log(observed / predicted)`` (each sample clipped to 8x
+    either way): a running mean while the evidence is young (total weight below
+    ``1 / alpha``), then exponentially weighted with ``alpha``, so it converges in a few
+    samples and then follows drift over about ``1 / alpha`` of them. Starts at 1 (the
+    profile)."""
+
+    __slots__ = ("_decode_log", "_decode_w", "_prefill_log", "_prefill_w", "alpha")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._prefill_log = 0.0
+        self._prefill_w = 0.0
+        self._decode_log = 0.0
+        self._decode_w = 0.0
+
+    @property
+    def prefill(self) -> float:
+        """Multiply the profile's prefill times by this."""
+        return math.exp(self._prefill_log)
+
+    @property
+    def decode(self) -> float:
+        """Multiply the profile's decode step times by this."""
+        return math.exp(self._decode_log)
+
+    @property
+    def prefill_evidence(self) -> float:
+        """Total weight of the prefill samples seen."""
+        return self._prefill_w
+
+    @property
+    def decode_evidence(self) -> float:
+        return self._decode_w
+
+    def observe_prefill(self, predicted_ms: float, observed_ms: float, weight: float = 1.0) -> None:
+        """The profile predicted ``predicted_ms`` for work the engine did in ``observed_ms``."""
+        self._prefill_log, self._prefill_w = self._update(
+            self._prefill_log, self._prefill_w, predicted_ms, observed_ms, weight
+        )
+
+    def observe_decode(self, predicted_ms: float, observed_ms: float, weight: float = 1.0) -> None:
+        self._decode_log, self._decode_w = self._update(
+            self._decode_log, self._decode_w, predicted_ms, observed_ms, weight
+        )
+
+    def _update(
+        self, log: float, evidence: float, predicted: float, observed: float, weight: float
+    ) -> tuple[float, float]:
+        if not (predicted > 0 and observed > 0 and weight > 0) or not (
+            math.isfinite(predicted) and math.isfinite(observed)
+        ):
+            return log, evidence  # nothing to learn (an idle step, a bad report)
+        sample = min(max(math.log(observed / predicted), -LOG_CLIP), LOG_CLIP)
+        weight = min(weight, 1.0)
+        evidence += weight
+        rate = max(weight / evidence, self.alpha * weight)
+        return log + rate * (sample - log), evidence
