@@ -150,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_names,
         default=("e2", "round_robin", "least_load", "cache_aware"),
         help="router policies, comma-separated; options as e2[rebalance=false] "
-        "(aliases: e2-no-rebalance, e2-no-pd, e2-no-p)",
+        "(aliases: see bench/sim/policies.py, e.g. e2-no-m, e2-no-band, e2-rebalance)",
     )
     p.add_argument("--schedulers", type=_names, default=("slo",), help="slo, fcfs, preble")
     p.add_argument("--rate-scale", type=_floats, default=(1.0,), help="one or more, e.g. 1,2,4")
@@ -199,7 +199,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--slow-factor", type=float, default=None, help="hetero: slow engines' factor")
+    p.add_argument(
+        "--run-shed",
+        action="store_true",
+        help="run the requests the router sheds anyway, to measure the SLO filter's precision",
+    )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
+    p.add_argument(
+        "--knees-from",
+        type=Path,
+        default=None,
+        help="take each combo's knee from an earlier matrix JSON (skips calibration)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "matrix.json")
     p.add_argument("--plots", type=Path, default=None, help="heatmap folder (default: beside out)")
     p.add_argument("--no-plots", action="store_true")
@@ -340,8 +351,13 @@ def _run_matrix(args: argparse.Namespace) -> int:
     for name in ("requests_per_engine", "min_requests", "max_requests", "slow_factor"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
+    if args.run_shed:
+        changes["run_shed"] = True
     spec = quick_spec(**changes) if args.quick else MatrixSpec(**changes)
-    doc = run_matrix(spec, jobs=args.jobs, out=args.out)
+    from bench.matrix import load_knees
+
+    knees = load_knees(args.knees_from) if args.knees_from else None
+    doc = run_matrix(spec, jobs=args.jobs, out=args.out, knees=knees)
     print(format_verdict(doc["verdict"]))
     if not args.no_plots:
         images = draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem)

@@ -37,6 +37,7 @@ from pathlib import Path
 import orjson
 
 from bench.sim.runner import SimConfig, run_one
+from bench.sim.world import LinkConfig
 from bench.workloads import Request, WorkloadOptions, build_workload, scale_rate
 from kvgate.cost_model import load_profile
 from router.policies.registry import POLICIES
@@ -84,6 +85,9 @@ class MatrixSpec:
     slow_factor: float = 2.0
     profile: str = "mistral-7b-a6000"
     baseline: str = "round_robin"  # the policy whose knee defines the rates
+    # run the requests the router sheds anyway (bench.sim.world.LinkConfig.run_shed): how
+    # many of them would have missed their SLO (the SLO filter's precision)
+    run_shed: bool = False
 
     def __post_init__(self) -> None:
         for kind in self.kinds:
@@ -103,6 +107,7 @@ class MatrixSpec:
         return SimConfig(
             engines=fleet,
             profile=self.profile,
+            link=LinkConfig(seed=seed, run_shed=self.run_shed),
             seed=seed,
             slow_factor=self.slow_factor if kind == "hetero" else 1.0,
         )
@@ -199,6 +204,7 @@ def compact(result: dict, *, seed: int, scale: float, rps: float, slow: Sequence
             else None
         ),
         "shed_router": result["sim"]["shed_by_router"],
+        "shed_runs": s.get("shed_runs"),
         "rejected": s.get("status", {}).get("429", 0) - result["sim"]["shed_by_router"],
         "reasons": s.get("reasons", {}),
         "wall_s": result["sim"]["wall_s"],
@@ -307,15 +313,26 @@ class _Inline:
         return None
 
 
+def load_knees(path: Path) -> dict[tuple[str, int, str], dict]:
+    """The knees of an earlier matrix document, by (workload, fleet, kind): a rerun of changed
+    policies can skip calibration (round robin's knee does not depend on them)."""
+    doc = orjson.loads(path.read_bytes())
+    if doc.get("kind") != "kvgate-matrix":
+        raise ValueError(f"{path}: not a kvgate-matrix document")
+    return {(e["workload"], e["fleet"], e["kind"]): e["knee"] for e in doc["combos"]}
+
+
 def run_matrix(
     spec: MatrixSpec,
     *,
     jobs: int = 1,
     out: Path | None = None,
+    knees: dict[tuple[str, int, str], dict] | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict:
-    """Calibrate every combo, run every cell, print progress and a table per combo, save the
-    document to ``out`` after every combo (a crash keeps what finished)."""
+    """Calibrate every combo (or take its knee from ``knees``), run every cell, print progress
+    and a table per combo, save the document to ``out`` after every combo (a crash keeps what
+    finished)."""
     t0 = time.perf_counter()
     combos = spec.combos()
     doc: dict = {
@@ -332,7 +349,13 @@ def run_matrix(
     with pool_cm as pool:
         pending: dict[Future, tuple] = {}
         for combo in combos:
-            pending[pool.submit(_worker_calibrate, spec, combo)] = ("calibrate", combo)
+            known = (knees or {}).get(combo)
+            if known is not None and known["requests"] == spec.requests_for(combo[1]):
+                fut: Future = Future()
+                fut.set_result(known)
+                pending[fut] = ("calibrate", combo)
+            else:
+                pending[pool.submit(_worker_calibrate, spec, combo)] = ("calibrate", combo)
         while pending:
             finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
             for fut in finished:
@@ -624,7 +647,7 @@ def draw_heatmaps(doc: dict, out_dir: Path, stem: str = "matrix") -> list[Path]:
         span = max(abs(v - centre) for v in vals) or 1.0
         norm = TwoSlopeNorm(vcenter=centre, vmin=centre - span, vmax=centre + span)
         data = [[math.nan if v is None else v for v in row] for row in grid]
-        fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(cols), 1.2 + 0.32 * len(rows)))
+        fig, ax = plt.subplots(figsize=(3.0 + 0.55 * len(cols), 1.4 + 0.32 * len(rows)))
         im = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto")
         ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
         ax.set_yticks(range(len(rows)), rows, fontsize=7)
@@ -639,7 +662,7 @@ def draw_heatmaps(doc: dict, out_dir: Path, stem: str = "matrix") -> list[Path]:
                         va="center",
                         fontsize=5.5,
                     )
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title, fontsize=8, wrap=True)
         fig.colorbar(im, ax=ax, shrink=0.8)
         fig.tight_layout()
         path = out_dir / f"{stem}_{metric}.png"

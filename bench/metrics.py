@@ -51,6 +51,7 @@ class RequestRecord:
     reason: str | None = None
     matched_bytes: int | None = None
     error: str | None = None
+    shed_run: bool = False  # the router shed it; the simulator ran it anyway (LinkConfig.run_shed)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +112,16 @@ def spread(counts: Iterable[float]) -> dict[str, float | None]:
     }
 
 
+def _shed_runs(records: Sequence[RequestRecord]) -> dict | None:
+    """How the requests the router shed fared when run anyway (None: none was): the filter's
+    precision is the share that missed their SLO even so."""
+    runs = [r for r in records if r.shed_run]
+    if not runs:
+        return None
+    missed = sum(1 for r in runs if not r.slo_met)
+    return {"requests": len(runs), "missed": missed, "precision": round(missed / len(runs), 4)}
+
+
 def summarize(records: Sequence[RequestRecord], engines: Sequence[str] = ()) -> dict:
     """The figures DESIGN.md section 5 asks for, over ``records``.
 
@@ -159,6 +170,7 @@ def summarize(records: Sequence[RequestRecord], engines: Sequence[str] = ()) -> 
         "load_spread_prefill_tokens": spread(per_engine_prefill.values()),
         "per_engine_requests": dict(sorted(per_engine.items())),
         "reasons": dict(sorted(Counter(r.reason for r in records if r.reason).items())),
+        "shed_runs": _shed_runs(records),
         "by_kind": {
             k: {
                 "requests": len(v),

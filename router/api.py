@@ -129,6 +129,7 @@ class Decision:
     listing: tuple[Candidate, ...] | Listing = field(default=(), compare=False, repr=False)
     retry_after_s: float | None = None
     detail: str = ""
+    fallback: str | None = None  # shed: the engine it would have gone to (for measurement)
 
     def __init__(
         self,
@@ -140,6 +141,7 @@ class Decision:
         listing: tuple[Candidate, ...] | Listing = (),
         retry_after_s: float | None = None,
         detail: str = "",
+        fallback: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -149,6 +151,7 @@ class Decision:
         self.listing = listing
         self.retry_after_s = retry_after_s
         self.detail = detail
+        self.fallback = fallback
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:

@@ -44,13 +44,13 @@ from broker.events import (
     RequestStarted,
 )
 from engine_reporter.hashing import block_hash
-from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
+from kvgate.cost_model import CostProfile, ProfileError, SpeedFit, default_profile, load_profile
 from router.api import EngineInfo, RouteRequest
 from router.keytree import KeyNode, KeyTree
 from router.policies.base import LOAD_MODES, EngineView, GroupLoad, Move, Rng
 from router.policies.feasibility import (
+    RATE_TAU_S,
     next_decode_step_ms,
-    queued_prefill_ms,
     queued_prefill_tokens,
 )
 from router.tree import Match, RadixTree
@@ -92,6 +92,12 @@ class _Inflight:
     ctx_tokens: float = 0.0  # input + output / 2: its mean context while decoding (EstTPOT)
     spec: int = 0  # its speculative entry (settled when it ends, on engines reporting KV)
     deadline: float = 0.0  # when its first token is due (router time: S-EDF's order)
+    tpot_slo_ms: float = 0.0  # its TPOT SLO (the engine's decode step budget while it decodes)
+    first_at: float = 0.0  # router time of its first token
+    engine_tokens: int = 0  # its prefill tokens as the engine counted them (RequestEnqueued)
+    # its prefill time on the engine's profile when it found nothing ahead of it there (its
+    # TTFT then shows the engine's prefill speed, for engines that do not report it); else 0
+    idle_prefill_ms: float = 0.0
 
     def __init__(
         self,
@@ -106,6 +112,10 @@ class _Inflight:
         ctx_tokens: float = 0.0,
         spec: int = 0,
         deadline: float = 0.0,
+        tpot_slo_ms: float = 0.0,
+        first_at: float = 0.0,
+        idle_prefill_ms: float = 0.0,
+        engine_tokens: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.t = t
@@ -118,6 +128,10 @@ class _Inflight:
         self.ctx_tokens = ctx_tokens
         self.spec = spec
         self.deadline = deadline
+        self.tpot_slo_ms = tpot_slo_ms
+        self.first_at = first_at
+        self.idle_prefill_ms = idle_prefill_ms
+        self.engine_tokens = engine_tokens
 
 
 class _GroupWork:
@@ -159,8 +173,9 @@ class _Engine:
     open_prefill_ms: float = 0.0  # prefill of in-flight requests without a first token yet
     open_out_tokens: int = 0  # output tokens of in-flight requests
     open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens
-    # in-flight requests without a first token: request id -> (deadline, missed tokens)
-    open_prefill: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # in-flight requests without a first token: request id -> (deadline, missed tokens, their
+    # prefill time on the profile in s)
+    open_prefill: dict[str, tuple[float, int, float]] = field(default_factory=dict)
     open_prefill_tokens: int = 0  # their sum of missed tokens
     groups: dict[int, _GroupWork] = field(default_factory=dict)
     tpots: deque = field(default_factory=deque)
@@ -176,6 +191,22 @@ class _Engine:
     top_known: bool = True
     load_key: float | None = None  # the L it is filed under in Cluster._by_load
     window_key: float | None = None  # ... in Cluster._by_window
+    speed: SpeedFit = field(default_factory=SpeedFit)  # its fitted prefill/decode speed
+    # the router's requests decoding there (past their first token): what the engine's decode
+    # step runs, so what prefill's share of the GPU is (router.policies.feasibility)
+    decoding: dict[str, _Inflight] = field(default_factory=dict)
+    decode_ctx: float = 0.0  # their summed context
+    decode_tpots: dict[float, int] = field(default_factory=dict)  # their TPOT SLOs, counted
+    # queued prefill the last heartbeat reported beyond this router's requests queued there
+    # at that moment (another router's): charged to every request until the next heartbeat.
+    # (Not "reported queue minus open requests now": a heartbeat is up to a period old, and
+    # the requests whose prefill ended since would count as someone else's work.) Counted in
+    # the engine's own tokens (``enqueued_tokens``: its RequestEnqueued), which differ from the
+    # router's where the router credits a prefix the engine has not cached yet.
+    foreign_prefill_tokens: int = 0
+    enqueued_tokens: int = 0
+    rate: float = 0.0  # requests/s routed here recently (RATE_TAU_S), as of rate_t
+    rate_t: float = 0.0
 
     def window_ms(self) -> float:
         """Preble's L_i as defined: windowed prefill work + windowed output tokens x TPOT_i."""
@@ -504,20 +535,37 @@ class Cluster:
                 self._membership += 1  # (re)joins the eligible sets
             eng.heartbeat = ev
             eng.last_heartbeat = now
+            eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - eng.enqueued_tokens, 0)
+            if ev.decode_step_ms is not None and ev.decode_batch:
+                predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
+                eng.speed.observe_decode(predicted, ev.decode_step_ms)
             if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
                 eng.url = ev.url
                 eng.models = ev.models
                 self._membership += 1
             eng.view = None
-        elif isinstance(ev, (RequestEnqueued, RequestStarted, RequestPreempted)):
+        elif isinstance(ev, RequestEnqueued):
+            self._not_pending(ev.request_id)
+            rec = self._inflight.get(ev.request_id)
+            if rec is not None and rec.engine_id == eng.engine_id and not rec.engine_tokens:
+                # the engine's own count of its prefill (it may not see a prefix the router
+                # credits yet): what its heartbeats' queue holds of this request
+                cached = ev.cached_bytes * ev.input_tokens // ev.key_bytes if ev.key_bytes else 0
+                rec.engine_tokens = max(ev.input_tokens - cached, 1)
+                eng.enqueued_tokens += rec.engine_tokens
+        elif isinstance(ev, (RequestStarted, RequestPreempted)):
             self._not_pending(ev.request_id)
         elif isinstance(ev, FirstToken):
             self._not_pending(ev.request_id)
             rec = self._inflight.get(ev.request_id)
+            self._fit_prefill(eng, ev, rec)
             if rec is not None and not rec.first_token:
                 rec.first_token = True
+                rec.first_at = now
                 self._prefill_done(rec, ev.request_id)
                 self._record_ttft(rec.group, ev.ttft_ms, now)
+                if rec.engine_id == eng.engine_id:
+                    self._start_decoding(eng, ev.request_id, rec)
         elif isinstance(ev, RequestFinished):
             rec = self._inflight.get(ev.request_id)
             if rec is not None and not rec.first_token:
@@ -543,9 +591,41 @@ class Cluster:
         if eng is not None:
             if eng.open_prefill.pop(request_id, None) is not None:
                 eng.open_prefill_tokens -= rec.missed_tokens
+            eng.enqueued_tokens -= rec.engine_tokens
             eng.open_prefill_ms -= rec.prefill_ms
             eng.view = None
             self._load_dirty[eng.engine_id] = eng
+
+    def _fit_prefill(self, eng: _Engine, ev: FirstToken, rec: _Inflight | None) -> None:
+        """What a first token says of the engine's prefill speed: the execution time of its
+        prefill batches against the profile's time for their tokens, or (an engine that does not
+        report that) the TTFT of a request that found nothing ahead of it, as weaker evidence."""
+        if ev.prefill_ms is not None and ev.prefill_tokens:
+            predicted = eng.profile.prefill_ms(ev.prefill_tokens, ev.context_tokens or 0)
+            eng.speed.observe_prefill(predicted, ev.prefill_ms)
+        elif rec is not None and rec.idle_prefill_ms > 0 and not rec.first_token:
+            eng.speed.observe_prefill(rec.idle_prefill_ms, ev.ttft_ms, weight=0.5)
+        else:
+            return
+        eng.view = None
+        self._load_dirty[eng.engine_id] = eng
+
+    def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
+        eng.decoding[request_id] = rec
+        eng.decode_ctx += rec.ctx_tokens
+        t = rec.tpot_slo_ms
+        eng.decode_tpots[t] = eng.decode_tpots.get(t, 0) + 1
+
+    def _stop_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
+        if eng.decoding.pop(request_id, None) is None:
+            return
+        eng.decode_ctx = eng.decode_ctx - rec.ctx_tokens if eng.decoding else 0.0
+        t = rec.tpot_slo_ms
+        left = eng.decode_tpots.get(t, 0) - 1
+        if left > 0:
+            eng.decode_tpots[t] = left
+        else:
+            eng.decode_tpots.pop(t, None)
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
         eng.tpots.append(tpot_ms)
@@ -570,13 +650,20 @@ class Cluster:
 
     def match(self, key: bytes) -> tuple[Match, dict[str, int]]:
         """The tree's match and the per-engine matched bytes including speculative entries
-        (the match's ``per_engine``, the speculative ones merged in)."""
+        (the match's ``per_engine``, the speculative ones merged in). A speculative entry is a
+        whole key, not blocks: it is credited in whole blocks of the engine's profile (the
+        tree's matches already are)."""
         m = self.tree.match(key)
         if len(self.spec):  # merged into the match's own (new) dict: no copy
             merged = m.per_engine
+            engines = self.engines
             for e, v in self.spec.tree.match(key).items():
                 if v > merged.get(e, 0):
-                    merged[e] = v
+                    eng = engines.get(e)
+                    if eng is not None:
+                        v -= v % eng.profile.block_bytes
+                    if v > merged.get(e, 0):
+                        merged[e] = v
         return m, m.per_engine
 
     def record_route(
@@ -607,6 +694,7 @@ class Cluster:
                 if v >= mine:
                     holders += 1
         prefill = p.prefill_ms(missed, cached) + (p.prefill_ms(cached) / holders if cached else 0)
+        prefill *= eng.speed.prefill
         entry = [now, engine_id, group, prefill, req.max_tokens]
         self._load.append(entry)
         eng.load_prefill_ms += prefill
@@ -628,6 +716,11 @@ class Cluster:
             self._forget(old, req.request_id)
         ctx_tokens = tokens + req.max_tokens / 2
         deadline = now + req.slo.ttft_ms / 1000.0
+        idle = (
+            not eng.open_prefill
+            and not eng.decoding
+            and not queued_prefill_tokens(eng.heartbeat, 0)
+        )
         rec = self._inflight[req.request_id] = _Inflight(
             engine_id,
             now,
@@ -637,8 +730,10 @@ class Cluster:
             out_tokens=req.max_tokens,
             ctx_tokens=ctx_tokens,
             deadline=deadline,
+            tpot_slo_ms=req.slo.tpot_ms,
+            idle_prefill_ms=p.prefill_ms(missed, cached) if idle else 0.0,
         )
-        eng.open_prefill[req.request_id] = (deadline, missed)
+        eng.open_prefill[req.request_id] = (deadline, missed, p.prefill_ms(missed, cached) / 1e3)
         eng.open_prefill_tokens += missed
         eng.inflight += 1
         eng.open_prefill_ms += prefill
@@ -646,6 +741,9 @@ class Cluster:
         eng.open_ctx_tokens += ctx_tokens
         eng.pending_prefill_tokens += missed
         eng.routed_total += 1
+        decay = math.exp(-(now - eng.rate_t) / RATE_TAU_S)
+        eng.rate = eng.rate * decay + 1.0 / RATE_TAU_S  # (an exponentially weighted rate)
+        eng.rate_t = now
         eng.view = None
         ttl = c.approximate_ttl_s if c.approximate or not eng.reports_kv else c.speculative_ttl_s
         rec.spec = self.spec.add(engine_id, req.key, ttl, now)
@@ -708,8 +806,11 @@ class Cluster:
                 eng.pending_prefill_tokens -= rec.missed_tokens
             if not rec.first_token:
                 eng.open_prefill_ms -= rec.prefill_ms
+                eng.enqueued_tokens -= rec.engine_tokens
             eng.open_out_tokens -= rec.out_tokens
             eng.open_ctx_tokens -= rec.ctx_tokens
+            if rec.first_token:
+                self._stop_decoding(eng, request_id, rec)
             if not eng.inflight:  # no drift from float sums: nothing is open
                 eng.open_prefill_ms = eng.open_ctx_tokens = 0.0
             eng.view = None
@@ -841,13 +942,23 @@ class Cluster:
                 free_bytes=max(capacity - max(held, used), 0),
                 pending_prefill_tokens=max(eng.pending_prefill_tokens, 0),
                 routed_total=eng.routed_total,
+                rate_per_s=eng.rate,
+                rate_t=eng.rate_t,
                 heartbeat=hb,
-                queued_prefill_ms=queued_prefill_ms(p, hb, max(eng.pending_prefill_tokens, 0)),
+                queued_prefill_ms=p.prefill_ms(
+                    max(eng.open_prefill_tokens, 0) + eng.foreign_prefill_tokens
+                )
+                * eng.speed.prefill,
                 next_decode_step_ms=next_decode_step_ms(
                     p, hb, eng.open_ctx_tokens, max(eng.inflight, 0)
                 ),
                 open_ctx_tokens=max(eng.open_ctx_tokens, 0.0),
                 position=eng.seq,
+                prefill_scale=eng.speed.prefill,
+                decode_scale=eng.speed.decode,
+                decoding=len(eng.decoding),
+                decode_ctx_tokens=max(eng.decode_ctx, 0.0),
+                decode_tpot_min_ms=min(eng.decode_tpots) if eng.decode_tpots else math.inf,
             )
         return v
 
@@ -1097,21 +1208,47 @@ class View:
 
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         """Prefill time of what ``ev``'s S-EDF prefill scheduler serves before a request due at
-        ``deadline``: this router's open requests there (no first token yet) due no later,
-        plus the queued work it cannot attribute to them: the reported queue and the
-        routed-not-yet-queued tokens beyond what its open requests account for (another
-        router's requests, or a heartbeat older than their first tokens), charged in full."""
+        ``deadline``: this router's open requests there (no first token yet) due no later that
+        can still make their own deadline (S-EDF runs a request whose slack is negative last,
+        and rejects it while it waits: under overload most of a queue is such work), plus the
+        queued work it cannot attribute to them (``_Engine.foreign_prefill_tokens``: another
+        router's requests), charged in full."""
         eng = self._cluster.engines.get(ev.engine_id)
         if eng is None:
             return ev.queued_prefill_ms
-        earlier = 0
-        for due, tokens in eng.open_prefill.values():
+        return self.prefill_queue(ev, deadline)[0]
+
+    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
+        """:meth:`prefill_ahead_ms`, and how many of the router's requests queued there are
+        due later (a request due at ``deadline`` would delay them by its own prefill)."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None:
+            return ev.queued_prefill_ms, 0
+        now = self._now
+        scale = ev.prefill_scale
+        ahead = eng.foreign_prefill_tokens
+        behind = 0
+        for due, tokens, prefill_s in eng.open_prefill.values():
             if due <= deadline:
-                earlier += tokens
-        queued = queued_prefill_tokens(ev.heartbeat, ev.pending_prefill_tokens)
-        unknown = queued - eng.open_prefill_tokens
-        ahead = earlier + (unknown if unknown > 0 else 0)
-        return ev.profile.prefill_ms(ahead) if ahead > 0 else 0.0
+                if due - now >= prefill_s * scale:
+                    ahead += tokens
+            else:
+                behind += 1
+        return (ev.profile.prefill_ms(ahead) * scale if ahead > 0 else 0.0), behind
+
+    def decode_release_ms(self, ev: EngineView, now: float) -> float:
+        """How long until one of the router's requests decoding on ``ev`` finishes: the soonest
+        of their remaining output tokens at the engine's measured TPOT (0: none decodes)."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None or not eng.decoding:
+            return 0.0
+        tpot = eng.tpot_ms
+        soonest = math.inf
+        for rec in eng.decoding.values():
+            left = rec.out_tokens * tpot - (now - rec.first_at) * 1000.0
+            if left < soonest:
+                soonest = left
+        return soonest if soonest > tpot else tpot
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``
@@ -1126,6 +1263,7 @@ class View:
         if eng is None:
             return 0.0
         p = eng.profile
+        speed = eng.speed.prefill
         tree = cl.tree
         tau = tree.hit_tau_s
         freed = 0
@@ -1141,7 +1279,7 @@ class View:
             if hits > 0.0:
                 tokens = p.cached_tokens_for_bytes(size)
                 context = p.cached_tokens_for_bytes(node.start)
-                cost += hits / max(holders, 1) * p.prefill_ms(tokens, context)
+                cost += hits / max(holders, 1) * p.prefill_ms(tokens, context) * speed
             freed += size
             if freed >= need_bytes:
                 break

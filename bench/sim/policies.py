@@ -2,7 +2,7 @@
 
 The options are the fields of the policy's own frozen config in ``router/policies/`` (the
 registry there is the only list of policies; unknown names or options fail with its message).
-E2's ablations are flags on its config; the aliases name the three the report compares.
+E2's ablations are flags on its config; the aliases name the ones docs/router.md measures.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ from typing import Any
 from router.core import Router, RouterConfig
 from router.policies.base import Rng
 
-# The e2 ablations of the report (flags of router.policies.e2.E2Config).
+# E2's ablations (flags of router.policies.e2.E2Config), as the matrix and docs name them.
 ALIASES: dict[str, str] = {
-    "e2-no-rebalance": "e2[rebalance=false]",
-    "e2-no-pd": "e2[pd_balance=false]",
-    "e2-no-p": "e2[prefill_term=false]",
     "e2-no-m": "e2[eviction_term=false]",
     "e2-no-slo": "e2[slo_filter=false]",
+    "e2-no-band": "e2[tie_rel=0,tie_ms=0]",
+    "e2-no-work": "e2[work_weight=0]",
+    "e2-feasible-first": "e2[prefer_feasible=true]",
+    "e2-pd": "e2[pd_balance=true]",
+    "e2-rebalance": "e2[rebalance=true]",
 }
 
 

@@ -76,6 +76,10 @@ class LinkConfig:
     # prompt is routed later than a small one sent at the same instant, as over HTTP
     ingress_s: float = 0.0
     ingress_s_per_mb: float = 0.0
+    # a request the router sheds runs anyway on the engine it would have chosen (the decision's
+    # ``fallback``), marked ``shed_run``: measures whether shedding was right (the router does
+    # not count it as in flight there, as with another router's request)
+    run_shed: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -220,18 +224,23 @@ class World:
         self.stats.route_calls += 1
         rec.reason = decision.reason
         rec.matched_bytes = decision.matched_bytes
-        if decision.engine_id is None:
-            rec.status = STATUS_SHED
-            rec.error = decision.detail or "shed by the router"
-            rec.e2e_s = 0.0
+        engine_id = decision.engine_id
+        if engine_id is None:
             self.stats.shed += 1
-            return
-        slot = self._by_id.get(decision.engine_id)
+            if self.link.run_shed and decision.fallback is not None:
+                engine_id = decision.fallback
+                rec.shed_run = True
+            else:
+                rec.status = STATUS_SHED
+                rec.error = decision.detail or "shed by the router"
+                rec.e2e_s = 0.0
+                return
+        slot = self._by_id.get(engine_id)
         if slot is None:
             rec.status = 502
-            rec.error = f"router chose unknown engine {decision.engine_id}"
+            rec.error = f"router chose unknown engine {engine_id}"
             return
-        rec.engine = decision.engine_id
+        rec.engine = engine_id
         slot.routed += 1
         self.stats.routed += 1
         self._flights[req.request_id] = _Flight(req, rec, slot.index)

@@ -10,6 +10,7 @@ one line in :mod:`router.policies.registry`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
@@ -46,11 +47,19 @@ class EngineView:
     pending_prefill_tokens: int  # routed, not yet in the engine's reported queue
     routed_total: int  # requests ever routed there (E2's warm-up)
     heartbeat: LoadHeartbeat | None = None
-    queued_prefill_ms: float = 0.0  # prefill time of the reported queue + routed-not-queued
+    queued_prefill_ms: float = 0.0  # prefill time of all queued there (own open + foreign)
     next_decode_step_ms: float = 0.0  # EstTPOT with one more request in the virtual batch
     position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
     window_ms: float = 0.0  # L_i over Preble's window (what rebalancing moves), any load mode
     open_ctx_tokens: float = 0.0  # sum over in-flight requests of input + output / 2 tokens
+    # the engine's fitted speed (kvgate.cost_model.SpeedFit): multiply the profile's times
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
+    decoding: int = 0  # the router's requests there past their first token
+    decode_ctx_tokens: float = 0.0  # their summed context (input + output / 2 tokens each)
+    decode_tpot_min_ms: float = math.inf  # their tightest TPOT SLO (the engine's step budget)
+    rate_per_s: float = 0.0  # requests routed there per second recently, as of rate_t ...
+    rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
 
     def __init__(
         self,
@@ -70,6 +79,13 @@ class EngineView:
         position: int = 0,
         window_ms: float = 0.0,
         open_ctx_tokens: float = 0.0,
+        prefill_scale: float = 1.0,
+        decode_scale: float = 1.0,
+        decoding: int = 0,
+        decode_ctx_tokens: float = 0.0,
+        decode_tpot_min_ms: float = math.inf,
+        rate_per_s: float = 0.0,
+        rate_t: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -87,6 +103,13 @@ class EngineView:
         self.position = position
         self.window_ms = window_ms
         self.open_ctx_tokens = open_ctx_tokens
+        self.prefill_scale = prefill_scale
+        self.decode_scale = decode_scale
+        self.decoding = decoding
+        self.decode_ctx_tokens = decode_ctx_tokens
+        self.decode_tpot_min_ms = decode_tpot_min_ms
+        self.rate_per_s = rate_per_s
+        self.rate_t = rate_t
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
@@ -94,9 +117,10 @@ PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched
 
 def prefill_cost_ms(ev: EngineView, key_len: int, matched: int, cache: PrefillCache) -> float:
     """Preble's P_i: prefill time of the key's part not cached on ``ev`` (after the cached
-    part), on ``ev``'s profile; memoised in ``cache`` (most engines share a value; a policy may
-    keep one across decisions, as keys of one size recur)."""
-    return prefill_cost_ms_for(ev.profile, key_len, cache, matched)
+    part), on ``ev``'s profile at its fitted speed; the profile's time is memoised in ``cache``
+    (most engines share a value; a policy may keep one across decisions, as keys of one size
+    recur)."""
+    return prefill_cost_ms_for(ev.profile, key_len, cache, matched) * ev.prefill_scale
 
 
 def prefill_cost_ms_for(
@@ -213,7 +237,18 @@ class ClusterView(Protocol):
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         """Prefill time of the work ``ev``'s S-EDF scheduler serves before a request due at
         ``deadline`` (router time, s): the router's open requests there due no later, plus
-        queued work it cannot attribute (charged in full)."""
+        queued work it cannot attribute (charged in full); at the engine's fitted speed."""
+        ...
+
+    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
+        """:meth:`prefill_ahead_ms`, and how many requests queued on ``ev`` are due later (the
+        ones a request due at ``deadline`` would delay by its own prefill)."""
+        ...
+
+    def decode_release_ms(self, ev: EngineView, now: float) -> float:
+        """How long until one of the router's requests decoding on ``ev`` finishes (frees a
+        slot of SCORPIO's VBS admission): its remaining output tokens at the engine's measured
+        TPOT, the soonest of them (0: none is decoding)."""
         ...
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:

@@ -1,26 +1,37 @@
-"""SLO feasibility: which engines can still meet a request's TTFT and TPOT objectives.
+"""The router's latency model: when a request would get its first token on an engine, and
+whether that engine can meet the request's SLO. Shared by E2's cost and every policy's SLO
+filter, so routing and shedding see the same numbers.
 
-Shared by every policy that enables ``slo_filter``. From an engine's last heartbeat and the work
-the router sent it since (precomputed in :class:`EngineView`, or per request from the view):
+From the router's own records of what it sent where (exact, and known at once) and the engines'
+heartbeats (for queued work it cannot attribute), on each engine's cost profile corrected by its
+fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.cost_model.SpeedFit`):
 
-* TTFT: ``prefill(work ahead) + prefill(this request's missed tokens after its cached ones)
-  <= ttft_slo``. The work ahead is what the engine's S-EDF prefill scheduler serves first: the
-  router's own open requests there (routed, no first token yet) due no later than this one,
-  plus any queued work the router cannot attribute (another router's requests, charged in
-  full as their deadlines are unknown). Not the whole queue: S-EDF lets an earlier deadline
-  overtake, so charging everything queued sheds requests the engine would have served in time
-  (measured on Mooncake x2, 16 engines: e2 went from 68.2% to 78.9% SLO attainment);
-* TPOT (SCORPIO's VBS admission): with this request added to the virtual batch,
-  ``EstTPOT(VBS + 1, L) x 1.3 < 0.99 x tpot_slo`` where ``L`` is the mean context of the
-  requests in flight there plus this one (``input + output / 2`` tokens each, as the engine's
-  VBS admission computes it; not the KV blocks in use, which include idle cached prefixes).
+* ``queue``: prefill time of the work the engine's S-EDF scheduler serves before this request:
+  the router's open requests there due no later than this one, plus queued work it cannot
+  attribute (another router's, charged in full). Not the whole queue: S-EDF lets an earlier
+  deadline overtake;
+* ``own``: prefill time of this request's tokens after its cached prefix (whole blocks only:
+  :meth:`router.tree.RadixTree.match`);
+* ``share``: the part of the GPU that prefill gets. While requests decode, the engine runs a
+  decode step of ``D`` ms in every step and cuts each step to ``0.9 x T_min`` (the tightest
+  decoding TPOT SLO; ``engine.scheduler.slo``), so prefill runs at ``1 - D / (0.9 T_min)`` of
+  full speed (at least ``MIN_SHARE``), ``D`` being the decode step of the router's decoding
+  requests there. A busy decoder prefills slowly: an engine with a short queue but a large decode
+  batch is not a fast choice;
+* ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
+  the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
+  until a decoding request finishes and frees room;
+* ``TTFT = (queue + own) / share + admit``.
 
-An engine without a heartbeat is assumed feasible (nothing says otherwise). When no engine is
-feasible the request is shed with ``retry_after_s``: the smallest TTFT excess among engines
-(how long until the queue drains enough), clamped to [0.5, 30] s.
+An engine is *feasible* for a request when the predicted TTFT is within the TTFT SLO and the
+request's own decode step (alone, at the engine's speed) fits its TPOT SLO; when it does not,
+the engine would reject it at once. A policy sheds (429) only when no engine is feasible; E2
+further requires the best prediction to miss by a margin (:class:`router.policies.e2.E2Config`).
 """
 
 from __future__ import annotations
+
+import math
 
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
@@ -35,7 +46,10 @@ from router.policies.base import (
 
 TPOT_SAFETY = 1.3  # SCORPIO's margin on the decode-time estimate
 TPOT_HEADROOM = 0.99
+STEP_BUDGET = 0.9  # the engine cuts a step to this x the tightest decoding TPOT SLO
+MIN_SHARE = 0.05  # prefill's share of a saturated decoder's GPU (at least one operator a step)
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+RATE_TAU_S = 10.0  # EngineView.rate_per_s decays with this time constant
 TPOT_MISS_RETRY_MS = 1000.0
 
 
@@ -45,7 +59,8 @@ def queued_prefill_tokens(hb: LoadHeartbeat | None, pending: int) -> int:
 
 
 def queued_prefill_ms(profile: CostProfile, hb: LoadHeartbeat | None, pending: int) -> float:
-    """Time to work through the engine's queued prefill and what the router sent since."""
+    """Time to work through the engine's queued prefill and what the router sent since (on the
+    profile; callers scale by the engine's fitted speed)."""
     return profile.prefill_ms(queued_prefill_tokens(hb, pending))
 
 
@@ -55,41 +70,105 @@ def next_decode_step_ms(
     ctx_tokens: float,
     requests: int,
 ) -> float:
-    """SCORPIO's EstTPOT with one more request in the virtual batch (0: unknown): the batch is
-    the heartbeat's VBS + 1 and the context the mean of ``input + output / 2`` over ``requests``
-    (the engine's own admission rule), from the router's in-flight records (``ctx_tokens`` is
-    their sum; the request itself included when the caller adds it). Not the KV blocks in use:
-    those include every idle cached prefix, so a full prefix cache would look like a huge
-    context and make an engine with one running request 'infeasible'."""
+    """SCORPIO's EstTPOT with one more request in the virtual batch (0: unknown), on the profile:
+    the batch is the heartbeat's VBS + 1 and the context the mean of ``input + output / 2`` over
+    ``requests`` (the engine's own admission rule), from the router's in-flight records
+    (``ctx_tokens`` is their sum; the request itself included when the caller adds it). Not the
+    KV blocks in use: those include every idle cached prefix, so a full prefix cache would look
+    like a huge context and make an engine with one running request 'infeasible'."""
     if hb is None:
         return 0.0
     mean_ctx = ctx_tokens / requests if requests > 0 else 0.0
     return profile.decode_step_ms(hb.vbs + 1.0, mean_ctx)
 
 
+class Estimate:
+    """One engine's predicted latency for one request (ms; see the module docstring)."""
+
+    __slots__ = (
+        "admit_ms",
+        "arrivals",
+        "behind",
+        "own_ms",
+        "queue_ms",
+        "share",
+        "tpot_ok",
+        "ttft_ms",
+    )
+
+    def __init__(
+        self,
+        queue_ms: float,
+        own_ms: float,
+        share: float,
+        admit_ms: float,
+        tpot_ok: bool,
+        behind: int = 0,
+        rate_per_s: float = 0.0,
+    ) -> None:
+        self.behind = behind  # queued requests due later, which its prefill would delay
+        self.queue_ms = queue_ms
+        self.own_ms = own_ms
+        self.share = share
+        self.admit_ms = admit_ms
+        self.tpot_ok = tpot_ok
+        self.ttft_ms = (queue_ms + own_ms) / share + admit_ms
+        # requests expected to arrive there before the queue it joins drains: its prefill
+        # delays them too
+        self.arrivals = rate_per_s * self.ttft_ms / 1000.0
+
+    def excess_ms(self, ttft_slo_ms: float) -> float:
+        """By how much the request would miss its SLO here (0: it would meet it)."""
+        if not self.tpot_ok:
+            return TPOT_MISS_RETRY_MS
+        return max(self.ttft_ms - ttft_slo_ms, 0.0)
+
+
+def prefill_share(ev: EngineView) -> float:
+    """The share of ``ev``'s GPU time its prefill gets while its decode batch runs."""
+    if ev.decoding <= 0 or not math.isfinite(ev.decode_tpot_min_ms):
+        return 1.0
+    step = ev.profile.decode_step_ms(ev.decoding, ev.decode_ctx_tokens / ev.decoding)
+    share = 1.0 - step * ev.decode_scale / (STEP_BUDGET * ev.decode_tpot_min_ms)
+    return share if share > MIN_SHARE else MIN_SHARE
+
+
+def estimate(
+    ev: EngineView,
+    ctx: RequestContext,
+    matched: int,
+    view: ClusterView,
+    now: float,
+    cache: PrefillCache,
+) -> Estimate:
+    """When ``ctx``'s request would get its first token on ``ev`` (see the module docstring)."""
+    req = ctx.request
+    slo = req.slo
+    queue, behind = view.prefill_queue(ev, deadline_s(ctx, now))
+    own = prefill_cost_ms(ev, ctx.key_len, matched, cache)
+    prof = ev.profile
+    mine = max(req.input_tokens, prof.tokens_for_bytes(ctx.key_len)) + req.max_tokens / 2
+    limit = TPOT_HEADROOM * slo.tpot_ms
+    alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
+    admit = 0.0
+    if alone < limit:
+        step = next_decode_step_ms(prof, ev.heartbeat, ev.open_ctx_tokens + mine, ev.inflight + 1)
+        if step * ev.decode_scale * TPOT_SAFETY >= limit:
+            admit = view.decode_release_ms(ev, now)  # VBS admission waits for a free slot
+    rate = ev.rate_per_s * math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+    return Estimate(queue, own, prefill_share(ev), admit, alone < limit, behind, rate)
+
+
 def check(
     ev: EngineView,
     ctx: RequestContext,
     matched: int,
+    view: ClusterView,
+    now: float,
     cache: PrefillCache,
-    ahead_ms: float | None = None,
 ) -> float:
-    """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss.
-    ``ahead_ms``: the prefill work the engine serves before this request
-    (:meth:`ClusterView.prefill_ahead_ms`); None charges its whole queue."""
-    slo = ctx.request.slo
-    queued = ev.queued_prefill_ms if ahead_ms is None else ahead_ms
-    excess = queued + prefill_cost_ms(ev, ctx.key_len, matched, cache) - slo.ttft_ms
-    if excess > 0:
-        return excess
-    req = ctx.request
-    mine = max(req.input_tokens, ev.profile.tokens_for_bytes(ctx.key_len)) + req.max_tokens / 2
-    step_ms = next_decode_step_ms(
-        ev.profile, ev.heartbeat, ev.open_ctx_tokens + mine, max(ev.inflight, 0) + 1
-    )
-    if step_ms * TPOT_SAFETY >= TPOT_HEADROOM * slo.tpot_ms:
-        return TPOT_MISS_RETRY_MS
-    return 0.0
+    """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss."""
+    return estimate(ev, ctx, matched, view, now, cache).excess_ms(ctx.request.slo.ttft_ms)
 
 
 def deadline_s(ctx: RequestContext, now: float) -> float:
@@ -106,12 +185,10 @@ def feasible_engines(
     """Engines that can meet the request's SLO, and (when none can) the retry-after seconds."""
     cache = {} if cache is None else cache
     out: list[EngineView] = []
-    min_excess_ms = float("inf")
+    min_excess_ms = math.inf
     matched = view.matched
-    due = deadline_s(ctx, now)
     for ev in view.engines:
-        ahead = view.prefill_ahead_ms(ev, due)
-        excess = check(ev, ctx, matched.get(ev.engine_id, 0), cache, ahead)
+        excess = check(ev, ctx, matched.get(ev.engine_id, 0), view, now, cache)
         if excess > 0:
             min_excess_ms = min(min_excess_ms, excess)
         else:
@@ -123,8 +200,16 @@ def retry_after(min_excess_ms: float) -> float:
     return min(max(min_excess_ms / 1000.0, MIN_RETRY_S), MAX_RETRY_S)
 
 
-def shed(policy: str, ctx: RequestContext, retry_after_s: float, detail: str) -> Decision:
-    """The decision when nobody can serve the request in time: the gateway answers 429."""
+def shed(
+    policy: str,
+    ctx: RequestContext,
+    retry_after_s: float,
+    detail: str,
+    fallback: str | None = None,
+) -> Decision:
+    """The decision when nobody can serve the request in time: the gateway answers 429.
+    ``fallback`` names the engine it would have gone to (the simulator can run it there anyway
+    to measure whether shedding was right)."""
     return Decision(
         engine_id=None,
         url=None,
@@ -132,6 +217,7 @@ def shed(policy: str, ctx: RequestContext, retry_after_s: float, detail: str) ->
         policy=policy,
         retry_after_s=retry_after_s,
         detail=detail,
+        fallback=fallback,
     )
 
 

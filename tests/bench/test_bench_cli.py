@@ -15,7 +15,7 @@ def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
     rc = main(
         [
             "bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "10",
-            "--engines", "3", "--policies", "e2,round_robin,e2-no-rebalance",
+            "--engines", "3", "--policies", "e2,round_robin,e2-rebalance",
             "--schedulers", "slo", "--rate-scale", "1,2", "--out", str(out),
         ]
     )  # fmt: skip
@@ -24,16 +24,16 @@ def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
     assert [(r["policy"], r["rate_scale"]) for r in doc["runs"]] == [
         ("e2", 1.0),
         ("round_robin", 1.0),
-        ("e2-no-rebalance", 1.0),
+        ("e2-rebalance", 1.0),
         ("e2", 2.0),
         ("round_robin", 2.0),
-        ("e2-no-rebalance", 2.0),
+        ("e2-rebalance", 2.0),
     ]
     assert "| tool_use | e2 | slo | 1 |" in capsys.readouterr().out
     report = tmp_path / "rep.md"
     assert main(["bench", "report", "--inputs", str(out), "--out", str(report)]) == 0
     text = report.read_text()
-    assert "e2-no-rebalance" in text and "rep_tool_use_policies_slo_ttft.png" in text
+    assert "e2-rebalance" in text and "rep_tool_use_policies_slo_ttft.png" in text
     assert (tmp_path / "rep_tool_use_policies_slo_ttft.png").exists()
 
 

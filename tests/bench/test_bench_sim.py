@@ -119,7 +119,7 @@ def test_policy_specs_and_aliases() -> None:
         "e2",
         {"rebalance": False, "rebalance_ratio": 2.5},
     )
-    assert parse_policy("e2-no-p") == ("e2", {"prefill_term": False})
+    assert parse_policy("e2-no-m") == ("e2", {"eviction_term": False})
     for alias in ALIASES:
         make_router(alias, random.Random(0))  # every alias names real E2 config flags
     with pytest.raises(ValueError):

@@ -126,13 +126,13 @@ def test_speculative_entry_of_an_engine_without_kv_events_outlives_its_request()
     d = f.route("r", b"k" * 4000, 1.0)
     f.router.report("r", d.engine_id, "ok", 2.0)
     f.router.cluster.expire(100.0)
-    assert f.router.cluster.match(b"k" * 4000)[1] == {"plain": 4000}
+    assert f.router.cluster.match(b"k" * 4000)[1] == {"plain": 4000 - 4000 % BLOCK}
 
 
 def test_slo_filter_lets_an_earlier_deadline_overtake_queued_prefill() -> None:
     """The engine's S-EDF serves earlier deadlines first: a queued long prefill due later is
     not in the way of an urgent request, but it is in the way of one due after it."""
-    f = Fleet(n=1)
+    f = Fleet(n=1, options={"shed_factor": 1.0})  # shed as soon as the SLO cannot be met
     prof = f.router.cluster.engines["e0"].profile
     big = b"B" * 120_000
     big_ms = prof.prefill_ms(prof.tokens_for_bytes(len(big)))
@@ -223,13 +223,13 @@ def test_outstanding_load_leaves_with_first_token_and_finish() -> None:
     assert view.window_ms > 0.0  # the window still remembers it (rebalancing's L)
 
 
-def test_e2_explore_follows_outstanding_work_not_window_history() -> None:
-    """e0 served a lot in the last 3 minutes, all finished; e1 has one long request still in
-    flight. Outstanding L sends new work to the idle e0; Preble's windowed L (the ablation,
-    ``load=window``) to the busy e1."""
+def test_e2_explore_follows_the_queue_not_window_history() -> None:
+    """e0 served a lot in the last 3 minutes, all finished; e1 has one long request still
+    queued. E2's cost (the request's predicted TTFT) sends new work to the idle e0, where
+    Preble's windowed L would have chosen the busy e1."""
     picks = {}
-    for mode in ("outstanding", "window"):
-        f = Fleet(n=2, options={"load": mode, "pd_balance": False})
+    for mode in ("outstanding",):
+        f = Fleet(n=2)
         cl = f.router.cluster
         f.router.set_draining("e1", True)
         for i in range(6):  # history on e0, finished at once
@@ -244,7 +244,8 @@ def test_e2_explore_follows_outstanding_work_not_window_history() -> None:
         f.route("long", b"L" * 40_000, 2.0, max_tokens=100)
         f.router.set_draining("e0", False)
         picks[mode] = f.route("new", b"n" * 40_000, 3.0).engine_id
-    assert picks == {"outstanding": "e0", "window": "e1"}
+        assert cl.engines["e0"].window_ms() > cl.engines["e1"].window_ms()
+    assert picks == {"outstanding": "e0"}
 
 
 def test_full_prefix_cache_does_not_make_an_engine_tpot_infeasible() -> None:
@@ -301,17 +302,21 @@ def test_approximate_mode_learns_from_decisions_alone() -> None:
 def test_rebalance_moves_a_prefix_group_end_to_end() -> None:
     f = Fleet(n=2, policy="e2")
     f.router.policy = type(f.router.policy)(
-        type(f.router.policy.config)(pd_balance=False, slo_filter=False, warmup_requests=5)
+        type(f.router.policy.config)(rebalance=True, slo_filter=False, warmup_requests=5)
     )
     hot = [bytes([65 + g]) * 2048 for g in range(4)]
     for g, key in enumerate(hot):
-        f.cache("e0", key, 0.1 + g)  # e0 caches every group: exploit piles everything on e0
+        f.cache("e0", key, 0.1 + g)  # e0 caches every group
+    f.router.set_draining("e1", True)  # every hot request lands on e0
     reasons = [f.route(f"r{i}", hot[i % 4] + b"?", 1.0 + i).reason for i in range(12)]
+    f.router.set_draining("e1", False)
     for e in ("e0", "e1"):
         f.heartbeat(e, 19.0)
     # e1 needs its warm-up first: route unrelated prompts to it
+    f.router.set_draining("e0", True)
     for i in range(6):
         f.route(f"w{i}", bytes([i]) * 4000 + b"!", 20.0 + i)
+    f.router.set_draining("e0", False)
     assert f.router.cluster.engines["e1"].routed_total == 6
     assert "rebalance" not in reasons
     reasons = [f.route(f"s{i}", hot[i % 4] + b"?", 30.0 + i).reason for i in range(8)]
@@ -335,7 +340,7 @@ def test_state_is_json_ready_and_counts_decisions() -> None:
 def test_replicating_a_moved_group_ends_its_override() -> None:
     # a group moved to e1 and later replicated (e1 -> e2): the override used to outlive the
     # replication and keep sending every request of the hot group to e1 alone
-    fleet = Fleet(3)
+    fleet = Fleet(3, options={"rebalance": True})
     router = fleet.router
     key = b"p" * 4096
     group = router.cluster.group_of(key)
@@ -452,7 +457,7 @@ def test_load_extremes_equal_min_and_max_over_the_candidates(
 ) -> None:
     """The least and the busiest candidate as ``min``/``max`` over the view's engines pick
     them (equal loads: the first in engine order), excluded engines left out."""
-    f = Fleet(n=len(routed), options={"load": "outstanding"})
+    f = Fleet(n=len(routed))
     cl = f.router.cluster
     n = 0
     for i, count in enumerate(routed):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ast
+import math
 import random
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,8 +19,7 @@ from kvgate.cost_model import CostProfile, default_profile
 from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.policies.base import EngineView, GroupLoad, RequestContext, top_matched
-from router.policies.e2 import _holders_by_length
-from router.policies.feasibility import next_decode_step_ms, queued_prefill_ms
+from router.policies.feasibility import next_decode_step_ms, prefill_share, queued_prefill_ms
 from router.policies.registry import POLICIES, PolicyError, make_policy
 
 PROFILE = default_profile()
@@ -37,6 +36,10 @@ def ev(
     routed: int = 100,
     hb: LoadHeartbeat | None = None,
     open_ctx: float = 0.0,
+    decoding: int = 0,
+    decode_ctx: float = 0.0,
+    tpot_min: float = math.inf,
+    decode_scale: float = 1.0,
 ) -> EngineView:
     return EngineView(
         engine_id=engine_id,
@@ -54,6 +57,10 @@ def ev(
         next_decode_step_ms=next_decode_step_ms(PROFILE, hb, open_ctx, inflight),
         window_ms=load,
         open_ctx_tokens=open_ctx,
+        decode_scale=decode_scale,
+        decoding=decoding,
+        decode_ctx_tokens=decode_ctx,
+        decode_tpot_min_ms=tpot_min,
     )
 
 
@@ -69,6 +76,7 @@ class FakeView:
     reps: dict[int, frozenset[str]] = field(default_factory=dict)
     groups: dict[str, list[GroupLoad]] = field(default_factory=dict)
     halves: dict[int, tuple[float, float]] = field(default_factory=dict)
+    releases: dict[str, float] = field(default_factory=dict)
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
@@ -94,7 +102,13 @@ class FakeView:
         return list({ev.profile.name: ev.profile for ev in self.engines}.values())
 
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
-        return ev.queued_prefill_ms  # hand-built states: the whole queue is ahead
+        return ev.queued_prefill_ms * ev.prefill_scale  # hand-built: the whole queue is ahead
+
+    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
+        return self.prefill_ahead_ms(ev, deadline), 0
+
+    def decode_release_ms(self, ev: EngineView, now: float) -> float:
+        return self.releases.get(ev.engine_id, 0.0)
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
         return self.evictions.get(engine_id, 0.0)
@@ -150,66 +164,132 @@ def test_registry_is_the_only_list_and_names_match() -> None:
         make_policy("e2", {"rebalanse": False})
 
 
-def test_e2_exploits_least_loaded_holder_of_longest_match_when_missed_lt_matched() -> None:
-    view = FakeView(
-        [ev("a", load=500.0), ev("b", load=10.0), ev("c", load=0.0), ev("d", load=0.0)],
-        matched={"a": 30_000, "b": 30_000, "c": 20_000},  # missed 10k < matched 30k
-    )
+def test_e2_exploits_a_holder_whose_queue_is_short() -> None:
+    view = FakeView([ev("a"), ev("b"), ev("c")], matched={"a": 39_000, "b": 20_000})
     d = make_policy("e2").choose(ctx(), view, 0.0)
-    assert (d.engine_id, d.reason, d.matched_bytes) == ("b", "exploit", 30_000)
-
-
-def test_e2_explores_when_missed_not_below_matched() -> None:
-    # matched == missed (20k each) is not an exploit: Preble needs missed < matched
-    view = FakeView(
-        [ev("a", load=50_000.0), ev("b", load=0.0)],
-        matched={"a": 20_000},
-    )
-    d = make_policy("e2", {"pd_balance": False}).choose(ctx(), view, 0.0)
-    assert d.reason == "explore"
-    assert d.engine_id == "b"  # a's load outweighs its prefill saving
+    assert (d.engine_id, d.reason, d.matched_bytes) == ("a", "exploit", 39_000)
     by_id = {c.engine_id: c for c in d.candidates}
-    assert by_id["a"].prefill_ms == pytest.approx(p_ms(20_000))
-    assert by_id["b"].prefill_ms == pytest.approx(p_ms(0))
-    assert by_id["a"].load_ms == 50_000.0
+    assert by_id["a"].prefill_ms == pytest.approx(p_ms(39_000))
+    assert by_id["c"].prefill_ms == pytest.approx(p_ms(0))
 
 
-def test_e2_explore_uses_all_three_terms() -> None:
-    # L: a is busiest; P: a holds a third of the key; M: c would have to evict hot prefixes.
-    saving = p_ms(0) - p_ms(13_000)
-    assert saving > 100
-    engines = [
-        ev("a", load=saving - 50),  # L + P = saving - 50 + p(13k) = p(0) - 50: the cheapest
-        ev("b", load=0.0),  # L + P = p(0)
-        ev("c", load=0.0, free=0),  # L + P = p(0) - 0, but M = 1000
-    ]
-    view = FakeView(engines, matched={"a": 13_000}, evictions={"c": 1000.0, "b": 0.0})
-    e2 = make_policy("e2", {"pd_balance": False})
-    assert e2.choose(ctx(), view, 0.0).engine_id == "a"
-    # without P, a is just the busiest: b or c (c is equal on L but pays M) -> b
-    no_p = make_policy("e2", {"pd_balance": False, "prefill_term": False})
-    assert no_p.choose(ctx(), view, 0.0).engine_id in {"b", "c"}
-    # M decides between b and c: make c's L lower than b's; with M it still loses, without it wins
-    engines2 = [ev("b", load=10.0), ev("c", load=0.0, free=0)]
-    view2 = FakeView(engines2, evictions={"c": 1000.0})
-    assert make_policy("e2", {"pd_balance": False}).choose(ctx(), view2, 0.0).engine_id == "b"
-    no_m = make_policy("e2", {"pd_balance": False, "eviction_term": False})
-    assert no_m.choose(ctx(), view2, 0.0).engine_id == "c"
-    d = make_policy("e2", {"pd_balance": False}).choose(ctx(), view2, 0.0)
+def test_e2_explores_when_the_holders_queue_costs_more_than_prefilling_elsewhere() -> None:
+    queued = _hb(queued=25_000)  # ~3 s of prefill ahead of the request on a
+    view = FakeView([ev("a", hb=queued), ev("b")], matched={"a": 39_000})
+    d = make_policy("e2").choose(ctx(), view, 0.0)
+    assert (d.engine_id, d.reason) == ("b", "explore")
     by_id = {c.engine_id: c for c in d.candidates}
-    assert by_id["c"].eviction_ms == 1000.0
-    assert by_id["b"].total_ms == pytest.approx(10.0 + p_ms(0))
+    assert by_id["a"].load_ms == pytest.approx(PROFILE.prefill_ms(25_000))
+    assert by_id["b"].total_ms == pytest.approx(p_ms(0))  # TTFT: its own prefill
+    # a shorter queue there: the cached prefix is worth the wait again
+    view = FakeView([ev("a", hb=_hb(queued=5_000)), ev("b")], matched={"a": 39_000})
+    assert make_policy("e2").choose(ctx(), view, 0.0).engine_id == "a"
 
 
-def test_e2_pd_balance_sends_prefill_heavy_requests_to_decode_heavy_engine() -> None:
+def test_e2_counts_the_gpu_time_a_decode_batch_takes_from_prefill() -> None:
+    # a: nothing queued, but 20 requests of 12k context decoding under a 100 ms TPOT SLO: each
+    # step spends ~61 ms of its 90 ms budget decoding, so prefill runs at a third of its speed
+    busy = ev("a", decoding=20, decode_ctx=20 * 12_000.0, tpot_min=100.0)
+    share = prefill_share(busy)
+    step = PROFILE.decode_step_ms(20, 12_000)
+    assert share == pytest.approx(1 - step / 90.0)
+    view = FakeView([busy, ev("b", load=5_000.0)], matched={"a": 8_000})
+    d = make_policy("e2").choose(ctx(), view, 0.0)
+    assert d.engine_id == "b"
+    by_id = {c.engine_id: c for c in d.candidates}
+    assert by_id["a"].prefill_ms == pytest.approx(p_ms(8_000) / share)
+    # the fitted speed scales the decode step too: a twice-as-fast decoder leaves more
+    assert prefill_share(replace(busy, decode_scale=0.5)) > share
+
+
+def test_e2_tie_band_prefers_the_holder_then_the_least_loaded() -> None:
+    # a holds 4 KiB of the key but has a little queued: its cost (TTFT + the GPU time of its
+    # own prefill) is a few ms above b's
+    p_a, p_b = p_ms(4096), p_ms(0)
+    queued = 0
+    while PROFILE.prefill_ms(queued) + 2 * p_a < 2 * p_b + 20:  # until a is 20-40 ms dearer
+        queued += 16
+    view = FakeView([ev("a", hb=_hb(queued=queued)), ev("b")], matched={"a": 4096})
+    d = make_policy("e2").choose(ctx(), view, 0.0)
+    assert d.engine_id == "a"  # within 5% + 5 ms: keep the prefix's requests together
+    strict = make_policy("e2", {"tie_rel": 0.0, "tie_ms": 0.0})
+    assert strict.choose(ctx(), view, 0.0).engine_id == "b"  # no band: the cheapest
+    # equal costs, equal matches: the least outstanding work, not always the first engine
+    view = FakeView([ev("a", load=900.0), ev("b", load=100.0), ev("c", load=500.0)])
+    assert make_policy("e2").choose(ctx(), view, 0.0).engine_id == "b"
+
+
+def test_e2_eviction_term_prices_what_fitting_the_request_evicts() -> None:
+    engines = [ev("b", load=10.0), ev("c", free=0)]
+    view = FakeView(engines, evictions={"c": 1000.0})
+    d = make_policy("e2").choose(ctx(), view, 0.0)
+    assert d.engine_id == "b"
+    assert {c.engine_id: c.eviction_ms for c in d.candidates}["c"] == 1000.0
+    no_m = make_policy("e2", {"eviction_term": False})
+    assert no_m.choose(ctx(), view, 0.0).engine_id == "c"  # a tie on TTFT: the less loaded
+
+
+def test_e2_slo_filter_sheds_only_far_beyond_the_slo() -> None:
+    slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
+    # b meets the SLO but would evict a lot; a is cheaper in TTFT + M but misses the SLO
+    engines = [ev("a", hb=_hb(queued=12_000)), ev("b", free=0, hb=_hb(queued=4_000))]
+    view = FakeView(engines, evictions={"b": 5000.0})
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "a"  # the cheapest
+    feasible_first = make_policy("e2", {"prefer_feasible": True})
+    assert feasible_first.choose(ctx(slo=slo), view, 0.0).engine_id == "b"
+    # nobody meets it, but the best is within 1.5x the SLO: routed there, not shed
+    engines = [ev("a", hb=_hb(queued=13_000)), ev("b", hb=_hb(queued=30_000))]
+    d = make_policy("e2").choose(ctx(slo=slo), FakeView(engines), 0.0)
+    assert d.engine_id == "a"
+    # beyond 1.5x everywhere: shed, naming where it would have gone
+    engines = [ev("a", hb=_hb(queued=40_000)), ev("b", hb=_hb(queued=30_000))]
+    d = make_policy("e2").choose(ctx(slo=slo), FakeView(engines), 0.0)
+    assert d.shed and d.reason == "shed" and d.engine_id is None and d.fallback == "b"
+    assert 0.5 <= d.retry_after_s <= 30.0
+    lenient = make_policy("e2", {"shed_factor": 3.0})
+    assert lenient.choose(ctx(slo=slo), FakeView(engines), 0.0).engine_id == "b"
+    # baselines can opt in to the same filter (without the margin)
+    d = make_policy("least_load", {"slo_filter": True}).choose(ctx(slo=slo), FakeView(engines), 0)
+    assert d.shed
+
+
+def test_e2_skips_engines_too_slow_to_decode_the_request_at_its_tpot() -> None:
+    # a 30 ms TPOT on a 10k-token context: ~21 ms a step alone (x1.3 = 27 < 29.7) on the
+    # profile; an engine whose decode is fitted 1.5x slower cannot do it, however idle
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=30.0)
+    slow = ev("slow", decode_scale=1.5)
+    view = FakeView([slow, ev("fast", hb=_hb(queued=8_000))])
+    d = make_policy("e2").choose(ctx(slo=slo), view, 0.0)
+    assert d.engine_id == "fast"
+    assert not {c.engine_id: c for c in d.candidates}["slow"].feasible
+    d = make_policy("e2").choose(ctx(slo=slo), FakeView([slow]), 0.0)
+    assert d.shed and d.fallback is None
+
+
+def test_e2_waits_for_vbs_admission_on_a_full_decoder() -> None:
+    # a's virtual batch is full for a 100 ms TPOT: the request would wait for a decoding one
+    # to finish (the view says 3 s); b has a queue of ~1.2 s
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
+    full = ev("a", inflight=40, open_ctx=40 * 12_000.0, hb=_hb(vbs=40.0, running=40))
+    view = FakeView([full, ev("b", hb=_hb(queued=10_000))], releases={"a": 3000.0})
+    d = make_policy("e2").choose(ctx(slo=slo), view, 0.0)
+    assert d.engine_id == "b"
+    by_id = {c.engine_id: c for c in d.candidates}
+    assert by_id["a"].load_ms == pytest.approx(3000.0)
+    view.releases["a"] = 10.0  # a slot frees at once: a is idle otherwise
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "a"
+
+
+def test_e2_pd_balance_only_within_the_tie_band() -> None:
     engines = [ev("prefill", load=0.0, hit=0.1), ev("decode", load=300.0, hit=0.8)]
-    d = make_policy("e2").choose(ctx(), FakeView(engines), 0.0)
+    d = make_policy("e2", {"pd_balance": True}).choose(ctx(), FakeView(engines), 0.0)
     assert (d.engine_id, d.reason) == ("decode", "pd_balance")
-    off = make_policy("e2", {"pd_balance": False}).choose(ctx(), FakeView(engines), 0.0)
+    off = make_policy("e2").choose(ctx(), FakeView(engines), 0.0)
     assert (off.engine_id, off.reason) == ("prefill", "explore")
-    # below the 0.7 threshold there is no decode-heavy engine
-    engines[1] = ev("decode", load=300.0, hit=0.69)
-    assert make_policy("e2").choose(ctx(), FakeView(engines), 0.0).engine_id == "prefill"
+    # a decode-heavy engine outside the band (a queue of its own) is not preferred
+    engines[1] = ev("decode", load=300.0, hit=0.8, hb=_hb(queued=4_000))
+    d = make_policy("e2", {"pd_balance": True}).choose(ctx(), FakeView(engines), 0.0)
+    assert d.engine_id == "prefill"
 
 
 def _rebalance_view(hi: float, lo: float, **kw) -> FakeView:
@@ -222,28 +302,28 @@ def _rebalance_view(hi: float, lo: float, **kw) -> FakeView:
     )
 
 
+REBALANCE = {"rebalance": True}
+
+
 def test_e2_rebalancing_fires_at_1_5x_and_not_below() -> None:
-    e2 = make_policy("e2")
+    e2 = make_policy("e2", REBALANCE)
     moves = e2.rebalance(ctx(), _rebalance_view(150.0, 100.0), 0.0)
     assert moves and moves[0].kind == "move"
     assert (moves[0].group, moves[0].src, moves[0].dst) == (11, "busy", "idle")
     assert all(m.group != 13 for m in moves)  # a single request is not a prefix worth moving
     assert e2.rebalance(ctx(), _rebalance_view(149.9, 100.0), 0.0) == ()
-    assert (
-        make_policy("e2", {"rebalance": False}).rebalance(ctx(), _rebalance_view(300.0, 100.0), 0.0)
-        == ()
-    )
+    assert make_policy("e2").rebalance(ctx(), _rebalance_view(300.0, 100.0), 0.0) == ()
 
 
 def test_e2_rebalancing_waits_for_warmup() -> None:
     view = _rebalance_view(300.0, 100.0)
     view.engines[1] = ev("idle", load=100.0, routed=49)
-    assert make_policy("e2").rebalance(ctx(), view, 0.0) == ()
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0) == ()
 
 
 def test_e2_moves_until_balanced() -> None:
     view = _rebalance_view(1000.0, 100.0)
-    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
     # 1000 -> 700 (moved 300) vs 100 -> 400: still >= 1.5x; moving 200 more: 500 vs 600: done
     assert [m.group for m in moves] == [11, 12]
 
@@ -254,10 +334,10 @@ def test_e2_replicates_a_hot_prefix_only_when_ttft_doubled() -> None:
         groups={"busy": [GroupLoad(21, 390.0, 40)]},  # too heavy to move: it is the hot spot
         halves={21: (100.0, 200.0)},
     )
-    moves = make_policy("e2").rebalance(ctx(), hot, 0.0)
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), hot, 0.0)
     assert [(m.kind, m.group, m.dst) for m in moves] == [("replicate", 21, "idle")]
     hot.halves[21] = (100.0, 199.0)
-    assert make_policy("e2").rebalance(ctx(), hot, 0.0) == ()
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), hot, 0.0) == ()
 
 
 def test_e2_moves_a_moved_group_on_when_its_target_became_the_busiest() -> None:
@@ -268,7 +348,7 @@ def test_e2_moves_a_moved_group_on_when_its_target_became_the_busiest() -> None:
         overrides={31: "b", 32: "a"},
         groups={"b": [GroupLoad(32, 500.0, 9), GroupLoad(31, 400.0, 9)]},
     )
-    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
     # 32 was moved on to "a" already: only history is left on "b"
     assert [(m.kind, m.group, m.src, m.dst) for m in moves] == [("move", 31, "b", "c")]
 
@@ -281,49 +361,25 @@ def test_e2_does_not_move_a_replicated_group() -> None:
         reps={41: frozenset({"a", "b"})},
         groups={"a": [GroupLoad(41, 300.0, 20), GroupLoad(42, 200.0, 5)]},
     )
-    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
     assert [(m.kind, m.group) for m in moves] == [("move", 42)]
     view.halves[41] = (100.0, 250.0)  # its TTFT doubled: one more replica instead
-    moves = make_policy("e2").rebalance(ctx(), view, 0.0)
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
     assert [(m.kind, m.group, m.dst) for m in moves] == [("replicate", 41, "c"), ("move", 42, "c")]
 
 
 def test_e2_follows_overrides_and_replicas() -> None:
     engines = [ev("a", load=0.0), ev("b", load=50.0), ev("c", load=20.0)]
     view = FakeView(engines, matched={"a": 39_000}, overrides={1: "b"})
-    d = make_policy("e2").choose(ctx(group=1), view, 0.0)
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0)
     assert (d.engine_id, d.reason) == ("b", "rebalance")
     view = FakeView(engines, matched={"a": 39_000}, reps={1: frozenset({"b", "c"})})
-    d = make_policy("e2").choose(ctx(group=1), view, 0.0)
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0)
     assert (d.engine_id, d.reason) == ("c", "replicate")
 
 
 def _hb(queued: int = 0, vbs: float = 0.0, running: int = 0, used: int = 0) -> LoadHeartbeat:
     return LoadHeartbeat(0, running, queued, used, 14_000, vbs, PROFILE.name, "http://x", ("m",))
-
-
-def test_slo_filter_skips_infeasible_engines_and_sheds_when_none_left() -> None:
-    slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
-    # a has 40k queued prefill tokens (~5 s of work); b is idle
-    engines = [ev("a", hb=_hb(queued=40_000)), ev("b", load=10_000.0, hb=_hb())]
-    view = FakeView(engines, matched={"a": 39_000})
-    d = make_policy("e2").choose(ctx(slo=slo), view, 0.0)
-    assert d.engine_id == "b"
-    off = make_policy("e2", {"slo_filter": False}).choose(ctx(slo=slo), view, 0.0)
-    assert off.engine_id == "a"  # exploit without the filter
-    # TPOT: b's virtual batch is so large a 100 ms TPOT cannot be kept
-    engines = [ev("a", hb=_hb(queued=40_000)), ev("b", hb=_hb(vbs=800.0, running=800, used=16_000))]
-    d = make_policy("e2").choose(ctx(slo=slo), FakeView(engines), 0.0)
-    assert d.shed and d.reason == "shed" and d.engine_id is None
-    assert 0.5 <= d.retry_after_s <= 30.0
-    # a prefix cache full of idle blocks is no decode context: one running request of ~13k
-    # tokens is TPOT-feasible (the KV-blocks-in-use estimate said 224k tokens of context each)
-    busy_cache = ev("c", inflight=1, open_ctx=13_170.0, hb=_hb(vbs=1.0, running=1, used=14_000))
-    d = make_policy("e2").choose(ctx(slo=slo), FakeView([busy_cache]), 0.0)
-    assert d.engine_id == "c"
-    # baselines can opt in to the same filter
-    d = make_policy("least_load", {"slo_filter": True}).choose(ctx(slo=slo), FakeView(engines), 0)
-    assert d.shed
 
 
 # ---------------------------------------------------------------------- baselines
@@ -390,98 +446,7 @@ def test_session_affinity_is_stable_and_moves_few_sessions_on_engine_add() -> No
     assert (d.engine_id, d.reason) == ("b", "least_load")
 
 
-# ---------------------------------------------------------------------- e2's lazy cost order
-
-SLOW = replace(PROFILE, name="slow-test-profile", efficiency=PROFILE.efficiency / 2)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(
-            st.one_of(  # loads: ties on purpose, and anything
-                st.sampled_from([0.0, 10.0, 10.0, 55.5, 300.0, 1e4]), st.floats(0.0, 3000.0)
-            ),
-            st.sampled_from([0, 0, 4096, 4096, 4096, 16_000, 39_000]),  # matched (some rare)
-            st.booleans(),  # slow profile
-        ),
-        min_size=1,
-        max_size=24,
-    ),
-    st.booleans(),
-)
-def test_e2_cost_order_equals_sorting_every_engine(spec: list, prefill_term: bool) -> None:
-    """E2's lazy explore order is exactly every candidate sorted by (L + P, L, position)."""
-    from router.policies.base import prefill_cost_ms
-    from router.policies.e2 import _CostOrder
-
-    engines = [replace(ev(f"e{i}", load=load), profile=SLOW if slow else PROFILE)
-               for i, (load, _, slow) in enumerate(spec)]  # fmt: skip
-    matched = {f"e{i}": m for i, (_, m, _) in enumerate(spec) if m}
-    view = FakeView(engines, matched=matched)
-    cache: dict = {}
-
-    def p_of(e: EngineView) -> float:
-        return (
-            prefill_cost_ms(e, KEY_LEN, matched.get(e.engine_id, 0), cache) if prefill_term else 0.0
-        )
-
-    brute = sorted((e.load_ms + p_of(e), e.load_ms, e.position, e.engine_id) for e in view.engines)
-    brute = [(lp, pos, e) for lp, _, pos, e in brute]
-    order = _CostOrder(view, KEY_LEN, p_of, cache if prefill_term else None)
-    assert [(lp, pos, e.engine_id) for lp, pos, e in order] == brute
-    again = _CostOrder(view, KEY_LEN, p_of, cache if prefill_term else None)
-    assert [(lp, pos, e.engine_id) for lp, pos, e in again.first(3)] == brute[:3]
-
-
-def _guard_view(holder_load: float) -> FakeView:
-    # h holds 39k of the 40k key (exploit); x is idle, y a little busier: explore's winner is x
-    return FakeView(
-        [ev("h", load=holder_load), ev("x", load=0.0), ev("y", load=500.0)],
-        matched={"h": 39_000},
-    )
-
-
-GUARD = {"exploit_guard": True, "pd_balance": False}
-
-
-def test_e2_exploit_guard_replicates_to_explore_winner_beyond_the_ratio() -> None:
-    c_e = p_ms(0)  # x: idle, nothing cached
-    c_h = 1.5 * c_e + 1.0  # just over 1.5 x C_e
-    d = make_policy("e2", GUARD).choose(ctx(), _guard_view(c_h - p_ms(39_000)), 0.0)
-    assert (d.engine_id, d.reason) == ("x", "replicate")
-    assert "h" in d.detail
-    by_id = {c.engine_id: c for c in d.candidates}
-    assert by_id["x"].total_ms == pytest.approx(c_e)
-    assert by_id["h"].matched_bytes == 39_000  # the holder is listed with its match
-    # the slack raises the threshold by as much
-    slack = make_policy("e2", {**GUARD, "guard_slack_ms": 2.0})
-    assert slack.choose(ctx(), _guard_view(c_h - p_ms(39_000)), 0.0).reason == "exploit"
-
-
-def test_e2_exploit_guard_does_not_fire_just_below_the_ratio() -> None:
-    c_h = 1.5 * p_ms(0) - 1.0
-    d = make_policy("e2", GUARD).choose(ctx(), _guard_view(c_h - p_ms(39_000)), 0.0)
-    assert (d.engine_id, d.reason) == ("h", "exploit")
-
-
-def test_e2_exploit_guard_counts_eviction_and_respects_the_switch() -> None:
-    overloaded = _guard_view(10 * p_ms(0))
-    # off (the default, and explicitly): the old behaviour, exploit however loaded the holder
-    for e2 in (make_policy("e2"), make_policy("e2", {**GUARD, "exploit_guard": False})):
-        d = e2.choose(ctx(), overloaded, 0.0)
-        assert (d.engine_id, d.reason) == ("h", "exploit")
-    # the winner must beat the threshold including its M: x would evict hot prefixes, y wins
-    view = FakeView(
-        [ev("h", load=10 * p_ms(0)), ev("x", load=0.0, free=0), ev("y", load=500.0)],
-        matched={"h": 39_000},
-        evictions={"x": 1e9},
-    )
-    d = make_policy("e2", GUARD).choose(ctx(), view, 0.0)
-    assert (d.engine_id, d.reason) == ("y", "replicate")
-    # every other engine infeasible or too dear: exploit as before
-    view.engines[2] = replace(view.engines[2], load_ms=20 * p_ms(0))
-    assert make_policy("e2", GUARD).choose(ctx(), view, 0.0).reason == "exploit"
+# ---------------------------------------------------------------------- helpers
 
 
 @settings(max_examples=300, deadline=None)
@@ -495,11 +460,3 @@ def test_top_matched_is_the_k_longest_then_by_id(matched: dict[str, int], k: int
     want = sorted(matched.items(), key=lambda em: (-em[1], em[0]))[:k]
     assert top_matched(matched, k) == want
     assert top_matched(dict(reversed(matched.items())), k) == want
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.text(min_size=1, max_size=3), st.integers(0, 5), max_size=40))
-def test_holders_by_length_counts_each_matched_length(matched: dict[str, int]) -> None:
-    """E2's explore order counts the holders of each matched length with a typed fast path for
-    the first two lengths; it must equal a plain count."""
-    assert _holders_by_length(matched) == dict(Counter(matched.values()))

@@ -1,0 +1,139 @@
+"""The routing matrix: knee calibration, verdicts, and a CI slice in which e2 must not lose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.matrix import (
+    MatrixSpec,
+    calibrate,
+    compare,
+    draw_heatmaps,
+    format_verdict,
+    heatmap_grid,
+    run_matrix,
+    verdict,
+)
+
+SLICE = MatrixSpec(
+    workloads=("tool_use", "zipf_doc_qa"),
+    policies=("e2", "round_robin", "least_load"),
+    fleets=(4,),
+    kinds=("homo", "hetero"),
+    rates=(1.0, 2.0),
+    min_requests=300,
+    max_requests=300,
+)
+
+
+@pytest.fixture(scope="module")
+def slice_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("matrix") / "slice.json"
+    doc = run_matrix(SLICE, jobs=1, out=out, log=lambda line: None)
+    assert orjson.loads(out.read_bytes())["verdict"] == doc["verdict"]  # saved as it ran
+    return doc
+
+
+def test_e2_never_worse_than_round_robin_or_least_load(slice_doc: dict) -> None:
+    """The CI slice of issue 17: in every cell e2's attainment is at least the best of round
+    robin and least load minus 1 point, and its p99 TTFT at most 1.1x theirs."""
+    assert len(slice_doc["combos"]) == 4
+    for entry in slice_doc["combos"]:
+        for cell in entry["cells"]:
+            name = f"{entry['workload']}/{entry['kind']}/x{cell['rate']:g}"
+            cmp = compare(cell)
+            assert cmp is not None
+            assert cmp["attainment"] >= -0.01, (name, cmp)
+            assert cmp["ttft_p99_ratio"] is not None and cmp["ttft_p99_ratio"] <= 1.1, (name, cmp)
+
+
+def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:
+    """At the knee round robin is below the target; at the largest probed rate under it, not."""
+    for entry in slice_doc["combos"]:
+        knee = entry["knee"]
+        target = knee["target_attainment"]
+        below = [p for p in knee["probes"] if p["scale"] < knee["scale"]]
+        assert knee["baseline_run"]["attainment"] < target
+        assert below and max(below, key=lambda p: p["scale"])["attainment"] >= target
+        ratio = knee["scale"] / max(p["scale"] for p in below)
+        assert ratio <= 1 + SLICE.knee_tolerance + 1e-9
+        # the x1 cell's round robin run is the knee's probe, not a second run
+        x1 = next(c for c in entry["cells"] if c["rate"] == 1.0)
+        rr = next(r for r in x1["runs"] if r["policy"] == "round_robin")
+        assert rr == knee["baseline_run"]
+
+
+def test_calibration_is_deterministic() -> None:
+    spec = MatrixSpec(
+        workloads=("tool_use",), policies=("round_robin",), fleets=(4,), kinds=("homo",),
+        rates=(1.0,), min_requests=200, max_requests=200,
+    )  # fmt: skip
+    a = calibrate(spec, "tool_use", 4, "homo")
+    b = calibrate(spec, "tool_use", 4, "homo")
+    assert a["scale"] == b["scale"] and a["probes"] == b["probes"]
+
+
+def _run(policy: str, att: float, p99: float, hit: float = 0.5, load: float = 1.0, seed=0):
+    return {
+        "policy": policy, "seed": seed, "scale": 1.0, "attainment": att, "ttft_p50_ms": p99 / 4,
+        "ttft_p99_ms": p99, "hit_rate": hit, "load_max_mean": load,
+    }  # fmt: skip
+
+
+def _doc(cells: list[dict]) -> list[dict]:
+    return [{"workload": "w", "fleet": 4, "kind": "homo", "knee": {}, "cells": cells}]
+
+
+def test_verdict_judges_cells_geomeans_spread_and_seeds() -> None:
+    good = {
+        "rate": 1.0,
+        "runs": [
+            _run("e2", 0.95, 1000.0),
+            _run("cache_aware", 0.95, 1500.0),
+            _run("round_robin", 0.80, 3000.0),
+        ],
+    }
+    v = verdict(SLICE, _doc([good]))
+    assert v["passed"] == {
+        "every_cell": True,
+        "geomean_vs_cache_aware": True,  # 1000 / 1500
+        "geomean_vs_round_robin": True,  # 3000 / 1000 where round robin is below 90%
+        "load_spread": True,
+        "seeds": True,
+    }
+    bad = {
+        "rate": 2.0,
+        "runs": [
+            _run("e2", 0.90, 1200.0, load=1.5, hit=0.5),
+            _run("e2", 0.95, 1200.0, load=1.5, seed=1),
+            _run("cache_aware", 0.92, 1000.0),
+            _run("cache_aware", 0.92, 1000.0, seed=1),
+        ],
+    }
+    v = verdict(SLICE, _doc([bad]))
+    assert not v["passed"]["every_cell"] and len(v["cells_failed"]) == 1
+    assert "-2.0 pt" in v["cells_failed"][0]
+    assert not v["passed"]["geomean_vs_cache_aware"]
+    assert not v["passed"]["load_spread"]  # 1.5 with no hit-rate gain
+    assert not v["passed"]["seeds"]  # 0.90 vs 0.95
+    assert "FAIL" in format_verdict(v)
+
+
+def test_heatmap_grid_and_drawing(slice_doc: dict, tmp_path: Path) -> None:
+    rows, cols, grid = heatmap_grid(slice_doc, "attainment")
+    assert rows == ["tool_use (hetero)", "tool_use (homo)", "zipf_doc_qa (hetero)",
+                    "zipf_doc_qa (homo)"]  # fmt: skip
+    assert cols == ["4 eng x1", "4 eng x2"]
+    assert all(v is not None for row in grid for v in row)
+    paths = draw_heatmaps(slice_doc, tmp_path, stem="m")
+    pytest.importorskip("matplotlib")
+    assert {p.name for p in paths} == {
+        "m_attainment.png",
+        "m_ttft_p99_ratio.png",
+        "m_hit_rate.png",
+        "m_load_max_mean.png",
+    }
+    assert all(p.stat().st_size > 1000 for p in paths)
