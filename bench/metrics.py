@@ -52,6 +52,7 @@ class RequestRecord:
     matched_bytes: int | None = None
     error: str | None = None
     shed_run: bool = False  # the router shed it; the simulator ran it anyway (LinkConfig.run_shed)
+    predicted_ttft_ms: float | None = None  # the router's prediction on its engine (sim only)
 
     @property
     def ok(self) -> bool:

@@ -75,6 +75,9 @@ class ClusterConfig:
     tpot_samples: int = 200
     tpot_seed_ms: float = 150.0
     default_profile: str = "mistral-7b-a6000"
+    # fit each engine's real prefill/decode speed from its reports (kvgate.cost_model.SpeedFit);
+    # off: trust the announced profiles (the ablation of docs/router.md)
+    fit_speed: bool = True
 
 
 @dataclass(slots=True)  # __init__ written out: see router.api's docstring
@@ -536,7 +539,7 @@ class Cluster:
             eng.heartbeat = ev
             eng.last_heartbeat = now
             eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - eng.enqueued_tokens, 0)
-            if ev.decode_step_ms is not None and ev.decode_batch:
+            if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
                 predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
                 eng.speed.observe_decode(predicted, ev.decode_step_ms)
             if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
@@ -600,6 +603,8 @@ class Cluster:
         """What a first token says of the engine's prefill speed: the execution time of its
         prefill batches against the profile's time for their tokens, or (an engine that does not
         report that) the TTFT of a request that found nothing ahead of it, as weaker evidence."""
+        if not self.config.fit_speed:
+            return
         if ev.prefill_ms is not None and ev.prefill_tokens:
             predicted = eng.profile.prefill_ms(ev.prefill_tokens, ev.context_tokens or 0)
             eng.speed.observe_prefill(predicted, ev.prefill_ms)

@@ -38,16 +38,19 @@ block_stored = st.integers(1, 5).flatmap(
     )
 )
 heartbeat = st.builds(
-    LoadHeartbeat,
-    COUNT,
-    COUNT,
-    COUNT,
-    COUNT,
-    COUNT,
+    lambda counts, vbs, prof, url, models, decode: LoadHeartbeat(
+        *counts, vbs, prof, url, models, *(decode or (None, None, None))
+    ),
+    st.tuples(COUNT, COUNT, COUNT, COUNT, COUNT),
     MS,
     ID,
     ID,
     st.lists(ID, max_size=3).map(tuple),
+    st.none() | st.tuples(MS, MS, MS),  # optional decode-step figures (SpeedFit)
+)
+first_token = st.one_of(
+    st.builds(FirstToken, ID, MS),
+    st.builds(FirstToken, ID, MS, MS, COUNT, st.none() | COUNT),  # with prefill figures
 )
 enqueued = st.builds(
     lambda rid, k, c, i, m, t1, t2: RequestEnqueued(rid, k + c, c, i, m, t1, t2),
@@ -65,7 +68,7 @@ events = st.one_of(
     st.just(AllCleared()),
     enqueued,
     st.builds(RequestStarted, ID),
-    st.builds(FirstToken, ID, MS),
+    first_token,
     st.builds(RequestFinished, ID, COUNT, MS, MS),
     st.builds(RequestRejected, ID, ID),
     st.builds(RequestPreempted, ID),
@@ -126,6 +129,21 @@ def test_mutated_header_decodes_exactly_or_is_rejected(evs, data) -> None:
 def test_malformed_entries_name_the_problem(fields, why) -> None:
     with pytest.raises(CodecError, match=why):
         decode_batch(fields)
+
+
+def test_records_of_other_versions_decode_or_name_their_arity() -> None:
+    """Fields added later are optional trailing items: an older engine's records (without
+    them) decode with None, and too many items are an error that says how many are known."""
+    head = orjson.dumps(["e1", "ep", 0, [["ft", 1.0, "r1", 12.5]]])
+    (env,) = decode_batch({b"v": b"1", b"h": head, b"b": b""})
+    assert env.event == FirstToken("r1", 12.5)
+    assert env.event.prefill_ms is None
+    hb = ["hb", 1.0, 0, 1, 2, 3, 4, 0.5, "p", "http://e", ["m"]]
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [hb]]), b"b": b""})
+    assert env.event.decode_step_ms is None and env.event.running == 1
+    newer = orjson.dumps(["e1", "ep", 0, [hb + [20.0, 4.0, 900.0, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 14 items"):
+        decode_batch({b"v": b"1", b"h": newer, b"b": b""})
 
 
 def test_batch_must_be_consecutive_and_one_engine() -> None:

@@ -134,3 +134,42 @@ def test_tune_gc_freezes_and_raises_the_young_threshold() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_speed_fit_converges_follows_drift_and_ignores_nonsense() -> None:
+    from kvgate.cost_model import SpeedFit
+
+    fit = SpeedFit(alpha=0.05)
+    assert (fit.prefill, fit.decode) == (1.0, 1.0)  # the profile until told otherwise
+    fit.observe_prefill(100.0, 200.0)
+    assert fit.prefill == pytest.approx(2.0)  # young evidence: a running mean, at once
+    for _ in range(20):
+        fit.observe_prefill(100.0, 200.0)
+        fit.observe_decode(10.0, 5.0)
+    assert fit.prefill == pytest.approx(2.0) and fit.decode == pytest.approx(0.5)
+    for _ in range(200):  # the engine got faster: followed within ~1/alpha samples
+        fit.observe_prefill(100.0, 100.0)
+    assert fit.prefill == pytest.approx(1.0, rel=0.01)
+    before = fit.prefill
+    for bad in ((0.0, 10.0), (10.0, 0.0), (float("nan"), 1.0), (1.0, float("inf"))):
+        fit.observe_prefill(*bad)
+    assert fit.prefill == before
+    fit.observe_prefill(1.0, 1e9)  # one absurd sample moves it by at most alpha x log 8
+    assert fit.prefill <= before * 8.0**0.05 + 1e-9
+    weak = SpeedFit()
+    weak.observe_prefill(100.0, 300.0, weight=0.5)
+    assert weak.prefill_evidence == 0.5 and weak.prefill == pytest.approx(3.0)
+
+
+def test_slowed_profiles_by_name() -> None:
+    base = load_profile("mistral-7b-a6000")
+    slow = load_profile("mistral-7b-a6000@x2")
+    assert slow.name == "mistral-7b-a6000@x2"
+    assert slow.prefill_ms(3000, 1000) == pytest.approx(2 * base.prefill_ms(3000, 1000))
+    assert slow.decode_step_ms(8, 2000) == pytest.approx(2 * base.decode_step_ms(8, 2000))
+    assert slow.kv_blocks == base.kv_blocks
+    assert base.slowed(1) is base
+    with pytest.raises(ProfileError, match="NAME@xFACTOR"):
+        load_profile("mistral-7b-a6000@xfast")
+    with pytest.raises(ProfileError, match="positive"):
+        load_profile("mistral-7b-a6000@x0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from router.cluster import ClusterConfig
 from router.core import Router, RouterConfig
 from router.policies.base import Rng
 
@@ -58,7 +59,10 @@ def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
-def make_router(spec: str, rng: Rng) -> Router:
+def make_router(spec: str, rng: Rng, cluster: ClusterConfig | None = None) -> Router:
     """The real router running the policy ``spec`` (see :func:`parse_policy`)."""
     name, options = parse_policy(spec)
-    return Router(RouterConfig(policy=name, policy_options=options), rng)
+    config = RouterConfig(policy=name, policy_options=options)
+    if cluster is not None:
+        config = RouterConfig(policy=name, policy_options=options, cluster=cluster)
+    return Router(config, rng)

@@ -27,6 +27,7 @@ from bench.workloads import Request, WorkloadOptions, build_workload, describe, 
 from engine.core import EngineCore, EngineRequest, SchedulerConfig
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
 from router.api import Decision, RouteRequest
+from router.cluster import ClusterConfig
 from router.core import Router
 
 log = logging.getLogger(__name__)
@@ -44,25 +45,35 @@ class SimConfig:
     drain_s: float | None = 4 * 3600.0  # virtual time allowed after the last arrival
     # heterogeneous fleet: every second engine (e01, e03, ...) is this many times slower
     slow_factor: float = 1.0
-    # what the slow engines announce: "same" (the configured profile's name: the router is not
-    # told, as with a mis-profiled engine) or "true" (their own ``NAME@xK`` profile)
+    # or each engine's own time factor (0.5: twice as fast), overriding slow_factor
+    speeds: tuple[float, ...] | None = None
+    # what engines off their profile announce: "same" (the configured profile's name: the
+    # router is not told, as with a mis-profiled engine) or "true" (their ``NAME@xK`` profile)
     slow_announce: str = "same"
+    # the router's cluster state (windows, TTLs, fit_speed); None: its defaults
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
         if self.engines < 1:
             raise ValueError("engines must be >= 1")
         if not self.slow_factor > 0:
             raise ValueError("slow_factor must be positive")
+        if self.speeds is not None and (
+            len(self.speeds) != self.engines or not all(f > 0 for f in self.speeds)
+        ):
+            raise ValueError("speeds: one positive factor per engine")
         if self.slow_announce not in ("same", "true"):
             raise ValueError("slow_announce must be 'same' or 'true'")
 
     def engine_profiles(self) -> list[CostProfile]:
         """Each engine's true cost profile, in engine order."""
         base = load_profile(self.profile)
-        slow = base.slowed(self.slow_factor)
-        if self.slow_announce == "same":
-            slow = replace(slow, name=base.name)
-        return [slow if i % 2 else base for i in range(self.engines)]
+        factors = self.speeds or [self.slow_factor if i % 2 else 1.0 for i in range(self.engines)]
+        out = []
+        for f in factors:
+            prof = base.slowed(f)
+            out.append(replace(prof, name=base.name) if self.slow_announce == "same" else prof)
+        return out
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,8 +114,11 @@ class _TimedRouter:
             self.route_s += time.perf_counter() - t0
 
 
-def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
-    """One router (``policy`` spec), ``cfg.engines`` engine cores (``scheduler``), wired."""
+def build_world(
+    policy: str, scheduler: str, cfg: SimConfig, *, predictions: bool = False
+) -> World:
+    """One router (``policy`` spec), ``cfg.engines`` engine cores (``scheduler``), wired;
+    ``predictions``: records carry the router's predicted TTFT (:class:`World`)."""
     profile: CostProfile = load_profile(cfg.profile)
     ids = engine_ids(cfg.engines)
     # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
@@ -113,7 +127,9 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
         EngineCore(eid, prof, policy=scheduler, config=sched_cfg)
         for eid, prof in zip(ids, cfg.engine_profiles(), strict=True)
     ]
-    router = _TimedRouter(make_router(policy, random.Random(f"router:{cfg.seed}")))
+    router = _TimedRouter(
+        make_router(policy, random.Random(f"router:{cfg.seed}"), cluster=cfg.cluster)
+    )
     world = World(
         router,
         engines,
@@ -121,6 +137,7 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig) -> World:
         make_engine_request=_engine_request,
         rng=random.Random(f"link:{cfg.link.seed}"),
         link=cfg.link,
+        predictions=predictions,
     )
     if cfg.static_engines:
         for slot, eng in zip(world.slots, engines, strict=True):
@@ -139,12 +156,14 @@ def run_one(
     rate_scale: float = 1.0,
     profile_path: Path | None = None,
     records: list[RequestRecord] | None = None,
+    predictions: bool = False,
 ) -> dict:
     """Simulate ``requests`` with one policy and one local scheduler; the run's result dict.
 
-    ``records``, when given, receives every request's record.
+    ``records``, when given, receives every request's record (with the router's predicted
+    TTFT when ``predictions``).
     """
-    world = build_world(policy, scheduler, cfg)
+    world = build_world(policy, scheduler, cfg, predictions=predictions)
     profiler = cProfile.Profile() if profile_path is not None else None
     t0 = time.perf_counter()
     if profiler is not None:

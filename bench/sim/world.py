@@ -148,7 +148,10 @@ class World:
         link: LinkConfig | None = None,
         models: tuple[str, ...] = ("kvgate-sim",),
         url_prefix: str = "sim://",
+        predictions: bool = False,
     ) -> None:
+        """``predictions``: record the router's predicted TTFT on the chosen engine (its
+        decision's candidate: queueing + own prefill) in each request's record."""
         self.router = router
         self.profile = profile
         self.link = link or LinkConfig()
@@ -162,6 +165,7 @@ class World:
         ]
         self._by_id = {s.core.engine_id: s for s in self.slots}
         self.records: list[RequestRecord] = []
+        self.predictions = predictions
         self._flights: dict[str, _Flight] = {}
         self.stats = WorldStats()
         self._horizon = 0.0
@@ -241,6 +245,10 @@ class World:
             rec.error = f"router chose unknown engine {engine_id}"
             return
         rec.engine = engine_id
+        if self.predictions and decision.engine_id is not None:
+            for cand in decision.candidates:
+                if cand.engine_id == engine_id:
+                    rec.predicted_ttft_ms = cand.load_ms + cand.prefill_ms
         slot.routed += 1
         self.stats.routed += 1
         self._flights[req.request_id] = _Flight(req, rec, slot.index)

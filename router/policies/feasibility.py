@@ -21,7 +21,9 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
   until a decoding request finishes and frees room;
-* ``TTFT = (queue + own) / share + admit``.
+* ``decode``: the decode iteration of the step in which its prefill starts (each step decodes
+  first), ``D``;
+* ``TTFT = (queue + own) / share + admit + decode``.
 
 An engine is *feasible* for a request when the predicted TTFT is within the TTFT SLO and the
 request's own decode step (alone, at the engine's speed) fits its TPOT SLO; when it does not,
@@ -124,12 +126,20 @@ class Estimate:
         return max(self.ttft_ms - ttft_slo_ms, 0.0)
 
 
+def decode_step_ms(ev: EngineView) -> float:
+    """The decode step of ``ev``'s running batch (the router's requests decoding there), at the
+    engine's fitted speed (0: nothing decodes)."""
+    if ev.decoding <= 0:
+        return 0.0
+    step = ev.profile.decode_step_ms(ev.decoding, ev.decode_ctx_tokens / ev.decoding)
+    return step * ev.decode_scale
+
+
 def prefill_share(ev: EngineView) -> float:
     """The share of ``ev``'s GPU time its prefill gets while its decode batch runs."""
     if ev.decoding <= 0 or not math.isfinite(ev.decode_tpot_min_ms):
         return 1.0
-    step = ev.profile.decode_step_ms(ev.decoding, ev.decode_ctx_tokens / ev.decoding)
-    share = 1.0 - step * ev.decode_scale / (STEP_BUDGET * ev.decode_tpot_min_ms)
+    share = 1.0 - decode_step_ms(ev) / (STEP_BUDGET * ev.decode_tpot_min_ms)
     return share if share > MIN_SHARE else MIN_SHARE
 
 
@@ -156,6 +166,8 @@ def estimate(
         if step * ev.decode_scale * TPOT_SAFETY >= limit:
             admit = view.decode_release_ms(ev, now)  # VBS admission waits for a free slot
     rate = ev.rate_per_s * math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+    # a step runs its decode iteration before its prefill slice: the first slice waits for one
+    admit += decode_step_ms(ev)
     return Estimate(queue, own, prefill_share(ev), admit, alone < limit, behind, rate)
 
 

@@ -18,6 +18,7 @@ from broker.events import (
     Event,
     FirstToken,
     LoadHeartbeat,
+    RequestEnqueued,
     RequestFinished,
     RequestRejected,
 )
@@ -628,3 +629,92 @@ def test_candidates_show_every_engines_current_view_and_stay_a_snapshot() -> Non
     assert [ev.engine_id for ev in cl.candidates(req, 1.0)] == ["e0", "e1", "e2", "e3"]
     f.router.report("r1", d.engine_id, "ok", 1.0)
     assert all(ev.inflight == 0 for ev in cl.candidates(req, 1.0))
+
+
+def _view(f: Fleet, now: float, engine: str = "e0"):
+    cl = f.router.cluster
+    req = RouteRequest("probe", "m", b"x", 1, 1)
+    engines = cl.candidates(req, now)
+    view = View(cl, engines, {}, f.router.rng, model="m", now=now)
+    return view, view.engine(engine)
+
+
+def test_router_fits_each_engines_speed_from_its_reports() -> None:
+    f = Fleet(n=2)
+    prof = f.router.cluster.engines["e0"].profile
+    # e0's prefill batches take twice what the profile says; its decode steps half
+    for i in range(5):
+        f.send("e0", FirstToken(f"x{i}", 500.0, prof.prefill_ms(3000, 500) * 2, 3000, 500), 1.0)
+    f.heartbeat("e0", 1.5, decode_step_ms=prof.decode_step_ms(8, 2000) / 2,
+                decode_batch=8.0, decode_context=2000.0)  # fmt: skip
+    _, ev = _view(f, 2.0)
+    assert ev.prefill_scale == pytest.approx(2.0)
+    assert ev.decode_scale == pytest.approx(0.5)
+    # so a request costs twice its profile prefill there, and e1 (as announced) wins it
+    key = b"q" * 8_000
+    d = f.route("r", key, 2.0)
+    assert d.engine_id == "e1"
+    # switched off: the profile is trusted
+    g = Fleet(n=1, fit_speed=False)
+    g.send("e0", FirstToken("x", 500.0, 10_000.0, 3000, 0), 1.0)
+    assert _view(g, 2.0)[1].prefill_scale == 1.0
+
+
+def test_an_engine_without_prefill_reports_is_fitted_from_idle_ttfts() -> None:
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    key = b"i" * 40_000  # 10k tokens on an idle engine: its TTFT is its prefill time
+    f.route("r", key, 1.0)
+    f.send("e0", FirstToken("r", 3 * prof.prefill_ms(10_000)), 2.0)
+    assert _view(f, 2.0)[1].prefill_scale == pytest.approx(3.0)
+
+
+def test_queued_work_of_another_router_is_counted_in_the_engines_own_tokens() -> None:
+    """The heartbeat's queue minus this router's requests enqueued there, as the engine
+    counted them (its RequestEnqueued), is someone else's work; not the router's own count,
+    which credits a prefix the engine has not cached yet."""
+    f = Fleet(n=1)
+    f.route("r", b"s" * 8_000, 1.0)  # 2000 tokens, none cached
+    f.send("e0", RequestEnqueued("r", 8_000, 0, 2_000, 50), 1.01)
+    f.heartbeat("e0", 1.02, queued_prefill_tokens=2_000 + 5_000)
+    assert f.router.cluster.engines["e0"].foreign_prefill_tokens == 5_000
+    view, ev = _view(f, 1.03)
+    prof = ev.profile
+    # a request due before r: only the foreign work is ahead of it
+    assert view.prefill_ahead_ms(ev, 1.0) == pytest.approx(prof.prefill_ms(5_000))
+    # once r's prefill is done, a heartbeat older than that still shows it: not foreign
+    f.send("e0", FirstToken("r", 80.0), 1.1)
+    f.heartbeat("e0", 1.2, queued_prefill_tokens=0)
+    assert f.router.cluster.engines["e0"].foreign_prefill_tokens == 0
+
+
+def test_queue_ahead_leaves_out_requests_that_can_no_longer_make_their_deadline() -> None:
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    big_ms = prof.prefill_ms(20_000)
+    f.route("hopeless", b"h" * 80_000, 1.0, slo=Slo(big_ms / 2, 1000.0))  # cannot make it
+    f.route("fine", b"f" * 8_000, 1.0, slo=Slo(5_000.0, 1000.0))
+    view, ev = _view(f, 1.0)
+    ahead, behind = view.prefill_queue(ev, 1.0 + 10.0)
+    assert ahead == pytest.approx(prof.prefill_ms(2_000))  # S-EDF runs "hopeless" last
+    ahead, behind = view.prefill_queue(ev, 1.0 + 1.0)  # due before "fine", after "hopeless"
+    assert (ahead, behind) == (0.0, 1)
+
+
+def test_decoding_requests_set_the_prefill_share_and_the_next_release() -> None:
+    from router.policies.feasibility import prefill_share
+
+    f = Fleet(n=1)
+    f.send("e0", RequestFinished("warm", 11, 10.0, 40.0), 0.5)  # TPOT samples: 40 ms
+    for i in range(3):
+        f.route(f"d{i}", bytes([i]) * 8_000, 1.0, max_tokens=100, slo=Slo(60_000.0, 100.0))
+        f.send("e0", FirstToken(f"d{i}", 200.0), 1.2)
+    view, ev = _view(f, 2.2)
+    assert ev.decoding == 3 and ev.decode_tpot_min_ms == 100.0
+    assert 0.0 < prefill_share(ev) < 1.0
+    # 100 tokens at the measured TPOT, one second into decoding: ~3 s left for each
+    tpot = f.router.cluster.engines["e0"].tpot_ms
+    assert view.decode_release_ms(ev, 2.2) == pytest.approx(100 * tpot - 1000.0)
+    f.send("e0", RequestFinished("d0", 100, 200.0, tpot), 2.3)
+    _, ev = _view(f, 2.3)
+    assert ev.decoding == 2
