@@ -141,7 +141,7 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     hb = ["hb", 1.0, 0, 1, 2, 3, 4, 0.5, "p", "http://e", ["m"]]
     (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [hb]]), b"b": b""})
     assert env.event.decode_step_ms is None and env.event.running == 1
-    newer = orjson.dumps(["e1", "ep", 0, [hb + [20.0, 4.0, 900.0, "extra"]]])
+    newer = orjson.dumps(["e1", "ep", 0, [[*hb, 20.0, 4.0, 900.0, "extra"]]])
     with pytest.raises(CodecError, match="11 to 14 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
 

@@ -114,9 +114,7 @@ class _TimedRouter:
             self.route_s += time.perf_counter() - t0
 
 
-def build_world(
-    policy: str, scheduler: str, cfg: SimConfig, *, predictions: bool = False
-) -> World:
+def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: bool = False) -> World:
     """One router (``policy`` spec), ``cfg.engines`` engine cores (``scheduler``), wired;
     ``predictions``: records carry the router's predicted TTFT (:class:`World`)."""
     profile: CostProfile = load_profile(cfg.profile)
