@@ -177,8 +177,10 @@ class _Engine:
     open_out_tokens: int = 0  # output tokens of in-flight requests
     open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens
     # in-flight requests without a first token: request id -> (deadline, missed tokens, their
-    # prefill time on the profile in s)
-    open_prefill: dict[str, tuple[float, int, float]] = field(default_factory=dict)
+    # prefill time at the engine's speed in s, when it presumably ended (engines that send no
+    # request events; else inf))
+    open_prefill: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
+    reports_requests: bool = False  # it sends request events (enqueued, first token, ...)
     open_prefill_tokens: int = 0  # their sum of missed tokens
     groups: dict[int, _GroupWork] = field(default_factory=dict)
     tpots: deque = field(default_factory=deque)
@@ -538,7 +540,8 @@ class Cluster:
                 self._membership += 1  # (re)joins the eligible sets
             eng.heartbeat = ev
             eng.last_heartbeat = now
-            eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - eng.enqueued_tokens, 0)
+            own = eng.enqueued_tokens if eng.reports_requests else eng.open_prefill_tokens
+            eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - own, 0)
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
                 predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
                 eng.speed.observe_decode(predicted, ev.decode_step_ms)
@@ -548,6 +551,7 @@ class Cluster:
                 self._membership += 1
             eng.view = None
         elif isinstance(ev, RequestEnqueued):
+            eng.reports_requests = True
             self._not_pending(ev.request_id)
             rec = self._inflight.get(ev.request_id)
             if rec is not None and rec.engine_id == eng.engine_id and not rec.engine_tokens:
@@ -557,8 +561,10 @@ class Cluster:
                 rec.engine_tokens = max(ev.input_tokens - cached, 1)
                 eng.enqueued_tokens += rec.engine_tokens
         elif isinstance(ev, (RequestStarted, RequestPreempted)):
+            eng.reports_requests = True
             self._not_pending(ev.request_id)
         elif isinstance(ev, FirstToken):
+            eng.reports_requests = True
             self._not_pending(ev.request_id)
             rec = self._inflight.get(ev.request_id)
             self._fit_prefill(eng, ev, rec)
@@ -738,7 +744,13 @@ class Cluster:
             tpot_slo_ms=req.slo.tpot_ms,
             idle_prefill_ms=p.prefill_ms(missed, cached) if idle else 0.0,
         )
-        eng.open_prefill[req.request_id] = (deadline, missed, p.prefill_ms(missed, cached) / 1e3)
+        own_s = p.prefill_ms(missed, cached) * eng.speed.prefill / 1e3
+        # an engine that sends no request events (a plain vLLM behind the bridge) never says
+        # when a prefill ends: assume it ends when the work queued there would be done
+        done = math.inf
+        if not eng.reports_requests:
+            done = now + p.prefill_ms(eng.open_prefill_tokens + missed) * eng.speed.prefill / 1e3
+        eng.open_prefill[req.request_id] = (deadline, missed, own_s, done)
         eng.open_prefill_tokens += missed
         eng.inflight += 1
         eng.open_prefill_ms += prefill
@@ -1233,9 +1245,11 @@ class View:
         scale = ev.prefill_scale
         ahead = eng.foreign_prefill_tokens
         behind = 0
-        for due, tokens, prefill_s in eng.open_prefill.values():
+        for due, tokens, prefill_s, done in eng.open_prefill.values():
+            if done <= now:
+                continue  # (an engine without request events: presumably prefilled by now)
             if due <= deadline:
-                if due - now >= prefill_s * scale:
+                if due - now >= prefill_s:
                     ahead += tokens
             else:
                 behind += 1

@@ -87,12 +87,15 @@ class E2Config:
     min_group_requests: int = 2
     replicate_ttft_ratio: float = 2.0
     max_candidates: int = 4  # cheapest engines listed in a decision (plus the top holders)
+    contenders: int = 16  # engines scored in a bigger fleet: top holders + least loaded
 
     def __post_init__(self) -> None:
         if self.shed_factor < 1:
             raise ValueError("e2: shed_factor must be >= 1 (never shed a request that fits)")
         if self.tie_rel < 0 or self.tie_ms < 0:
             raise ValueError("e2: tie_rel and tie_ms must be >= 0")
+        if self.contenders < 2:
+            raise ValueError("e2: contenders must be >= 2")
 
 
 P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
@@ -129,15 +132,21 @@ class E2(PolicyBase):
             if moved is not None:
                 return moved
         matched = view.matched
-        scored = []
-        for ev in view.engines:
-            m = matched.get(ev.engine_id, 0)
-            est = estimate(ev, ctx, m, view, now, self._p_cache)
-            scored.append(_Scored(ev, est, m, cfg.work_weight))
+        scored = [self._score(ev, ctx, view, now) for ev in self._contenders(view)]
         slo_ms = ctx.request.slo.ttft_ms
         pool = [s for s in scored if s.est.tpot_ok]
         if cfg.slo_filter:
             feasible = [s for s in pool if s.est.ttft_ms <= slo_ms]
+            if not feasible and len(scored) < len(view.engines):
+                # before shedding, every engine (the contenders were only the likely best)
+                seen = {s.ev.engine_id for s in scored}
+                scored += [
+                    self._score(ev, ctx, view, now)
+                    for ev in view.engines
+                    if ev.engine_id not in seen
+                ]
+                pool = [s for s in scored if s.est.tpot_ok]
+                feasible = [s for s in pool if s.est.ttft_ms <= slo_ms]
             if not feasible:
                 best = min(pool, key=_ttft, default=None)
                 if best is None or best.est.ttft_ms > cfg.shed_factor * slo_ms:
@@ -175,6 +184,33 @@ class E2(PolicyBase):
             view,
             listing=_Listing(chosen, scored, matched, ctx.key_len, cfg.max_candidates),
         )
+
+    def _score(self, ev: EngineView, ctx: RequestContext, view: ClusterView, now: float) -> _Scored:
+        m = view.matched.get(ev.engine_id, 0)
+        est = estimate(ev, ctx, m, view, now, self._p_cache)
+        return _Scored(ev, est, m, self.config.work_weight)
+
+    def _contenders(self, view: ClusterView) -> list[EngineView]:
+        """The engines worth scoring: all of them in a fleet of at most ``contenders``, else
+        the ones holding the most of the key and the least loaded (by outstanding work), half
+        each. Only those can be the cheapest unless predictions are far off: an engine holding
+        none of the key and more loaded than ``contenders / 2`` others is neither fast to
+        prefill it nor early to start (scoring every engine of a 1,000-engine fleet would take
+        milliseconds a decision)."""
+        engines = view.engines
+        k = self.config.contenders
+        if len(engines) <= k:
+            return list(engines)
+        out: dict[str, EngineView] = {}
+        for engine_id, m in top_matched(view.matched, k // 2):
+            ev = view.engine(engine_id)
+            if ev is not None and m > 0:
+                out[engine_id] = ev
+        for ev in view.by_load():
+            if len(out) >= k:
+                break
+            out.setdefault(ev.engine_id, ev)
+        return list(out.values())
 
     def _band(
         self, pool: list[_Scored], ctx: RequestContext, view: ClusterView, now: float

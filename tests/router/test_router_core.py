@@ -718,3 +718,51 @@ def test_decoding_requests_set_the_prefill_share_and_the_next_release() -> None:
     f.send("e0", RequestFinished("d0", 100, 200.0, tpot), 2.3)
     _, ev = _view(f, 2.3)
     assert ev.decoding == 2
+
+
+def test_an_engine_without_request_events_has_its_prefills_aged_out() -> None:
+    """A plain vLLM behind the bridge sends KV events and heartbeats but no request events:
+    its routed prefills count as queued only until the work queued there would be done."""
+    f = Fleet(n=0)
+    f.heartbeat("v", 0.0)  # no AllCleared, no request events: heartbeats only
+    d = f.route("r", b"v" * 40_000, 1.0)  # 10k tokens: ~1.2 s of prefill
+    assert d.engine_id == "v"
+    view, ev = _view(f, 1.1, "v")
+    assert view.prefill_ahead_ms(ev, 1e9) > 1000.0
+    view, ev = _view(f, 3.0, "v")
+    assert view.prefill_ahead_ms(ev, 1e9) == 0.0
+    # its own waiting request is not someone else's work in its next heartbeat
+    f.route("r2", b"w" * 40_000, 3.0)
+    f.heartbeat("v", 3.1, queued_prefill_tokens=10_000)
+    assert f.router.cluster.engines["v"].foreign_prefill_tokens == 0
+
+
+def test_e2_scores_the_top_holders_and_the_least_loaded_in_a_big_fleet() -> None:
+    """In a fleet bigger than ``contenders`` E2 scores the engines holding the most of the
+    key and the least loaded; an idle one anywhere wins a request nobody holds."""
+    f = Fleet(n=40)
+    cl = f.router.cluster
+    key = b"c" * 20_000
+    f.cache("e37", key, 0.5)
+    # load every engine but e5 and e37 with a long request each
+    f.router.set_draining("e5", True)
+    f.router.set_draining("e37", True)
+    for i in range(38):
+        f.route(f"bg{i}", bytes([i]) * 60_000, 1.0, max_tokens=500)
+    f.router.set_draining("e5", False)
+    f.router.set_draining("e37", False)
+    scored: list[int] = []
+    policy = f.router.policy
+    contenders = policy._contenders
+
+    def counting(view):  # the policy's own contender list, counted
+        out = contenders(view)
+        scored.append(len(out))
+        return out
+
+    policy._contenders = counting  # type: ignore[method-assign]
+    d = f.route("hit", key + b"?", 2.0)
+    assert d.engine_id == "e37" and scored[-1] <= 16
+    d = f.route("cold", b"z" * 20_000, 2.0)
+    assert d.engine_id == "e5"  # the idle one, found among the least loaded
+    assert cl.engines["e5"].routed_total == 1
