@@ -65,6 +65,7 @@ KINDS = ("homo", "hetero")
 OWN_SLOS = {"qwen_mix"}
 SCALED_SLO = "scaled:5:100"
 SYNTHETIC_RATE = 4.0  # requests/s a synthetic family is generated at (the knee rescales it)
+PROBE_REQUESTS = 200  # requests a workload's mean prompt length is read from
 LINK_JITTER_S = 0.001
 
 
@@ -81,9 +82,12 @@ class MatrixSpec:
     # attainment moves with them is fragile; the requests stay the same (workload_seed)
     seeds: tuple[int, ...] = (0,)
     workload_seed: int = 0
-    requests_per_engine: int = 40
-    min_requests: int = 600
-    max_requests: int = 1600
+    requests_per_engine: int = 60
+    min_requests: int = 800
+    max_requests: int = 2400
+    # at most this many prompt tokens a cell (the simulator's cost grows with them: a cell of
+    # long-document prompts gets fewer requests)
+    max_prompt_tokens: int = 10_000_000
     knee_attainment: float = 0.9  # round robin's attainment that defines the knee
     knee_tolerance: float = 0.05  # bisect until the bracket's ratio is below 1 + this
     scheduler: str = "slo"
@@ -105,8 +109,12 @@ class MatrixSpec:
         if min(self.fleets) < 1 or self.min_requests < 1 or self.max_requests < self.min_requests:
             raise ValueError("fleets and request bounds must be positive and ordered")
 
-    def requests_for(self, fleet: int) -> int:
-        return max(self.min_requests, min(self.max_requests, self.requests_per_engine * fleet))
+    def requests_for(self, fleet: int, mean_input_tokens: float = 0.0) -> int:
+        """Requests in a cell of ``fleet`` engines, for prompts of this mean length."""
+        n = max(self.min_requests, min(self.max_requests, self.requests_per_engine * fleet))
+        if mean_input_tokens > 0:
+            n = min(n, max(int(self.max_prompt_tokens / mean_input_tokens), 100))
+        return n
 
     def sim_config(self, fleet: int, kind: str, seed: int) -> SimConfig:
         return SimConfig(
@@ -159,6 +167,15 @@ def base_workload(workload: str, seed: int, n: int, profile: str) -> tuple[Reque
     if len(reqs) < n:
         raise ValueError(f"{workload}: only {len(reqs)} requests, the cell needs {n}")
     return tuple(reqs)
+
+
+@cache
+def cell_requests(spec: MatrixSpec, workload: str, fleet: int) -> int:
+    """How many requests a cell of ``workload`` on ``fleet`` engines has (see
+    :meth:`MatrixSpec.requests_for`; the mean prompt from the workload's first requests)."""
+    probe = base_workload(workload, spec.workload_seed, PROBE_REQUESTS, spec.profile)
+    mean = sum(r.input_tokens for r in probe) / len(probe)
+    return spec.requests_for(fleet, mean)
 
 
 def base_rate(requests: Sequence[Request]) -> float:
@@ -238,7 +255,7 @@ def run_cell_policy(
     spec: MatrixSpec, workload: str, fleet: int, kind: str, policy: str, scale: float, seed: int
 ) -> dict:
     """One policy on one cell: the compact figures."""
-    n = spec.requests_for(fleet)
+    n = cell_requests(spec, workload, fleet)
     base = base_workload(workload, spec.workload_seed, n, spec.profile)
     reqs = scale_rate(base, scale)
     cfg = spec.sim_config(fleet, kind, seed)
@@ -256,7 +273,7 @@ def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
     Found by doubling or halving from the capacity guess, then bisecting geometrically.
     Returns the probes and the baseline's run at the knee (reused as its x1 cell)."""
     seed = spec.seeds[0]
-    n = spec.requests_for(fleet)
+    n = cell_requests(spec, workload, fleet)
     base = base_workload(workload, spec.workload_seed, n, spec.profile)
     probes: dict[float, dict] = {}
 
@@ -373,7 +390,7 @@ def run_matrix(
         pending: dict[Future, tuple] = {}
         for combo in combos:
             known = (knees or {}).get(combo)
-            if known is not None and known["requests"] == spec.requests_for(combo[1]):
+            if known is not None and known["requests"] == cell_requests(spec, *combo[:2]):
                 fut: Future = Future()
                 fut.set_result(known)
                 pending[fut] = ("calibrate", combo)
@@ -512,6 +529,7 @@ def _geomean(values: Iterable[float]) -> float | None:
 def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) -> dict:
     """Issue 17's checks over what has run so far."""
     cell_fail: list[str] = []
+    paid: list[str] = []
     spread_fail: list[str] = []
     seed_fail: list[str] = []
     ratios_ca: list[float] = []
@@ -528,6 +546,8 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
             me = runs[subject]
             ok_att = cmp["attainment"] >= -0.01
             ok_p99 = cmp["ttft_p99_ratio"] is not None and cmp["ttft_p99_ratio"] <= 1.1
+            if ok_att and not ok_p99 and cmp["attainment"] > 0.01:
+                paid.append(name)  # a higher p99 of served requests, with more of them served
             if not (ok_att and ok_p99):
                 cell_fail.append(
                     f"{name}: attainment {100 * cmp['attainment']:+.1f} pt vs "
@@ -553,6 +573,8 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
         "subject": subject,
         "cells": n_cells,
         "cells_failed": cell_fail,
+        # of those, cells failing only on p99 while e2 met the SLO for > 1 point more requests
+        "cells_failed_p99_with_more_served": paid,
         "geomean_p99_vs_cache_aware": round(gm_ca, 4) if gm_ca is not None else None,
         "geomean_p99_gain_vs_round_robin_below_90": round(gm_rr, 4) if gm_rr is not None else None,
         "round_robin_below_90_cells": len(ratios_rr),
@@ -596,7 +618,9 @@ def format_verdict(v: dict) -> str:
     lines = [
         f"verdict for {v['subject']} over {v['cells']} cells:",
         f"  every cell (attainment >= best - 1 pt, p99 <= 1.1x best): "
-        f"{'PASS' if p['every_cell'] else 'FAIL'} ({len(v['cells_failed'])} failed)",
+        f"{'PASS' if p['every_cell'] else 'FAIL'} ({len(v['cells_failed'])} failed; "
+        f"{len(v.get('cells_failed_p99_with_more_served', []))} of them only on p99 with more "
+        f"requests served within SLO)",
         f"  geomean p99 vs cache_aware: {v['geomean_p99_vs_cache_aware']} (<= 0.8: "
         f"{'PASS' if p['geomean_vs_cache_aware'] else 'FAIL'})",
         f"  geomean p99 gain vs round_robin where it is below 90% "

@@ -211,6 +211,7 @@ class _Engine:
     foreign_prefill_tokens: int = 0
     enqueued_tokens: int = 0
     rate: float = 0.0  # requests/s routed here recently (RATE_TAU_S), as of rate_t
+    prefill_rate: float = 0.0  # ms of their prefill (at its speed) per s, as of rate_t
     rate_t: float = 0.0
 
     def window_ms(self) -> float:
@@ -660,13 +661,15 @@ class Cluster:
         return block_hash(None, key[: self.config.group_bytes])
 
     def match(self, key: bytes) -> tuple[Match, dict[str, int]]:
-        """The tree's match and the per-engine matched bytes including speculative entries
-        (the match's ``per_engine``, the speculative ones merged in). A speculative entry is a
-        whole key, not blocks: it is credited in whole blocks of the engine's profile (the
-        tree's matches already are)."""
+        """The tree's match (``Match.per_engine``: what the engines' block events confirm) and
+        the per-engine matched bytes including the router's speculative entries (a new dict
+        when there are any, else the match's own). A speculative entry is a whole key, not
+        blocks: it is credited in whole blocks of the engine's profile (the tree's matches
+        already are)."""
         m = self.tree.match(key)
-        if len(self.spec):  # merged into the match's own (new) dict: no copy
-            merged = m.per_engine
+        confirmed = m.per_engine
+        merged = confirmed
+        if len(self.spec):
             engines = self.engines
             for e, v in self.spec.tree.match(key).items():
                 if v > merged.get(e, 0):
@@ -674,8 +677,10 @@ class Cluster:
                     if eng is not None:
                         v -= v % eng.profile.block_bytes
                     if v > merged.get(e, 0):
+                        if merged is confirmed:
+                            merged = dict(confirmed)
                         merged[e] = v
-        return m, m.per_engine
+        return m, merged
 
     def record_route(
         self,
@@ -759,12 +764,15 @@ class Cluster:
         eng.pending_prefill_tokens += missed
         eng.routed_total += 1
         decay = math.exp(-(now - eng.rate_t) / RATE_TAU_S)
-        eng.rate = eng.rate * decay + 1.0 / RATE_TAU_S  # (an exponentially weighted rate)
+        eng.rate = eng.rate * decay + 1.0 / RATE_TAU_S  # (exponentially weighted rates)
+        eng.prefill_rate = eng.prefill_rate * decay + own_s * 1e3 / RATE_TAU_S
         eng.rate_t = now
         eng.view = None
         ttl = c.approximate_ttl_s if c.approximate or not eng.reports_kv else c.speculative_ttl_s
         rec.spec = self.spec.add(engine_id, req.key, ttl, now)
-        self.tree.touch(match, engine_id, mine, now)
+        # a request that wanted the prefix counts in its hit count wherever it was served
+        # (Preble's M prices an eviction by the requests that want what it evicts)
+        self.tree.touch(match, engine_id, max(mine, match.depth), now)
 
     def _note_group(self, eng: _Engine, group: int, work: _GroupWork) -> None:
         """``work`` (group ``group`` of ``eng``) just grew: it leads if it now outweighs the
@@ -960,6 +968,7 @@ class Cluster:
                 pending_prefill_tokens=max(eng.pending_prefill_tokens, 0),
                 routed_total=eng.routed_total,
                 rate_per_s=eng.rate,
+                prefill_rate=eng.prefill_rate,
                 rate_t=eng.rate_t,
                 heartbeat=hb,
                 queued_prefill_ms=p.prefill_ms(
@@ -1109,7 +1118,17 @@ class _LoadOrder:
 class View:
     """Read-only access for one decision (implements ``router.policies.base.ClusterView``)."""
 
-    __slots__ = ("_cluster", "_eligible", "_exclude", "_model", "_now", "engines", "matched", "rng")
+    __slots__ = (
+        "_cluster",
+        "_eligible",
+        "_exclude",
+        "_model",
+        "_now",
+        "confirmed",
+        "engines",
+        "matched",
+        "rng",
+    )
 
     def __init__(
         self,
@@ -1121,10 +1140,12 @@ class View:
         model: str = "",
         exclude: frozenset[str] = frozenset(),
         now: float = 0.0,
+        confirmed: Mapping[str, int] | None = None,
     ) -> None:
         self._cluster = cluster
         self.engines = engines
         self.matched = matched
+        self.confirmed = matched if confirmed is None else confirmed
         self.rng = rng
         self._eligible = cluster.eligible(model, now)
         self._exclude = exclude
@@ -1255,19 +1276,24 @@ class View:
                 behind += 1
         return (ev.profile.prefill_ms(ahead) * scale if ahead > 0 else 0.0), behind
 
-    def decode_release_ms(self, ev: EngineView, now: float) -> float:
-        """How long until one of the router's requests decoding on ``ev`` finishes: the soonest
-        of their remaining output tokens at the engine's measured TPOT (0: none decodes)."""
+    def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
+        """How long until ``count`` of the router's requests decoding on ``ev`` have finished
+        (freeing room in SCORPIO's VBS admission): each one's remaining output tokens at the
+        engine's measured TPOT, the ``count``-th soonest; beyond the requests decoding now,
+        each further one takes a mean decode time divided by the batch (0: none decodes)."""
         eng = self._cluster.engines.get(ev.engine_id)
-        if eng is None or not eng.decoding:
+        if eng is None or not eng.decoding or count <= 0:
             return 0.0
         tpot = eng.tpot_ms
-        soonest = math.inf
-        for rec in eng.decoding.values():
-            left = rec.out_tokens * tpot - (now - rec.first_at) * 1000.0
-            if left < soonest:
-                soonest = left
-        return soonest if soonest > tpot else tpot
+        left = sorted(
+            max(rec.out_tokens * tpot - (now - rec.first_at) * 1000.0, tpot)
+            for rec in eng.decoding.values()
+        )
+        if count <= len(left):
+            return left[count - 1]
+        n = len(left)
+        mean_ms = sum(rec.out_tokens for rec in eng.decoding.values()) * tpot / n
+        return left[-1] + (count - n) * mean_ms / n
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``

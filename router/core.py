@@ -66,7 +66,16 @@ class Router:
             self._count(decision)
             return decision
         match, matched = cl.match(req.key)
-        view = View(cl, engines, matched, self.rng, model=req.model, exclude=req.exclude, now=now)
+        view = View(
+            cl,
+            engines,
+            matched,
+            self.rng,
+            model=req.model,
+            exclude=req.exclude,
+            now=now,
+            confirmed=match.per_engine,
+        )
         decision = self.policy.choose(ctx, view, now)
         self._count(decision)
         if decision.engine_id is None:

@@ -59,6 +59,7 @@ class EngineView:
     decode_ctx_tokens: float = 0.0  # their summed context (input + output / 2 tokens each)
     decode_tpot_min_ms: float = math.inf  # their tightest TPOT SLO (the engine's step budget)
     rate_per_s: float = 0.0  # requests routed there per second recently, as of rate_t ...
+    prefill_rate: float = 0.0  # ... and ms of prefill (their own, at its speed) per second
     rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
 
     def __init__(
@@ -85,6 +86,7 @@ class EngineView:
         decode_ctx_tokens: float = 0.0,
         decode_tpot_min_ms: float = math.inf,
         rate_per_s: float = 0.0,
+        prefill_rate: float = 0.0,
         rate_t: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
@@ -109,6 +111,7 @@ class EngineView:
         self.decode_ctx_tokens = decode_ctx_tokens
         self.decode_tpot_min_ms = decode_tpot_min_ms
         self.rate_per_s = rate_per_s
+        self.prefill_rate = prefill_rate
         self.rate_t = rate_t
 
 
@@ -206,7 +209,14 @@ class ClusterView(Protocol):
 
     @property
     def matched(self) -> Mapping[str, int]:
-        """Engine -> leading key bytes it caches (absent: 0)."""
+        """Engine -> leading key bytes it caches (absent: 0), including the router's
+        speculative entries (keys it routed there whose blocks no event confirmed yet)."""
+        ...
+
+    @property
+    def confirmed(self) -> Mapping[str, int]:
+        """:attr:`matched` without the speculative entries: what the engines' block events
+        say they hold (a routed key is cached only once its request's prefill is done)."""
         ...
 
     @property
@@ -245,10 +255,10 @@ class ClusterView(Protocol):
         ones a request due at ``deadline`` would delay by its own prefill)."""
         ...
 
-    def decode_release_ms(self, ev: EngineView, now: float) -> float:
-        """How long until one of the router's requests decoding on ``ev`` finishes (frees a
-        slot of SCORPIO's VBS admission): its remaining output tokens at the engine's measured
-        TPOT, the soonest of them (0: none is decoding)."""
+    def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
+        """How long until ``count`` of the router's requests decoding on ``ev`` have finished
+        (each frees room in SCORPIO's VBS admission), from their remaining output tokens at the
+        engine's measured TPOT (0: none is decoding)."""
         ...
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:

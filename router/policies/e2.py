@@ -1,46 +1,65 @@
 """E2 (Preble's exploit or explore), its cost made a prediction of the request's time to first
-token on each engine.
+token on each engine, plus the work it takes from others.
 
 Preble (arXiv 2407.00023) exploits when most of the key is cached (the least-loaded holder of
 the longest match) and otherwise explores by ``L_i + M_i + P_i``: ``L`` the work routed to the
 engine in a 3-minute window, ``M`` the cost of what fitting the request would evict, ``P`` the
 prefill of the part not cached there. Measured on kvgate's routing matrix (``kvgate bench
-matrix``: nine workloads, three fleet sizes, homogeneous and 2x-heterogeneous fleets, four loads)
+matrix``: nine workloads, 4 to 64 engines, homogeneous and 2x-heterogeneous fleets, four loads)
 that rule lost to round robin and to SGLang's ``cache_aware`` in most cells, for four causes:
 exploit piles a shared prefix onto one engine regardless of its queue; ``L`` counts history and
 decode time, not the queue a request joins; partial blocks were credited as cached; and the SLO
-filter shed requests an engine would have served. So E2 keeps Preble's terms but asks one
-question of every engine, *when would this request's first token come out there*:
+filter shed requests an engine would have served. So E2 keeps Preble's terms but asks of every
+engine *when would this request's first token come out there, and what does it cost others*:
 
-* ``C_i = TTFT_i + M_i``, ``TTFT_i = (queue_i + P_i) / share_i + admit_i`` from the router's
-  latency model (:mod:`router.policies.feasibility`): the prefill the engine's S-EDF scheduler
-  runs first, this request's own prefill after its cached whole blocks (Preble's ``P``), slowed
-  by the GPU time the engine's decode batch takes, plus any wait for SCORPIO's VBS admission;
-  all on the engine's profile corrected by its fitted speed. ``M_i`` is Preble's eviction cost
-  (hit count x miss rate x prefill time of each prefix the engine's LRU would evict to fit the
-  request), the price of cached work that other requests lose.
+* ``C_i = TTFT_i + M_i + w x (P_i x (1 + behind_i + arrivals_i) + decode_i)``.
+
+  ``TTFT_i = (queue_i + P_i) / share_i + admit_i + D_i`` is the router's latency model
+  (:mod:`router.policies.feasibility`): the prefill the engine's S-EDF scheduler runs first,
+  this request's own prefill after its cached whole blocks (Preble's ``P``), slowed by the GPU
+  time the engine's decode batch takes, plus any wait for SCORPIO's VBS admission and the decode
+  iteration that precedes a prefill slice; all on the engine's profile corrected by its fitted
+  speed (:class:`kvgate.cost_model.SpeedFit`). A prefix the router only routed there (no block
+  event yet) counts as cached only if the request queues behind every open one: one due
+  earlier overtakes them and prefills the prefix itself. ``M_i`` is Preble's eviction cost
+  (hit count x miss rate x prefill time of each prefix the engine's LRU would evict).
+
+  The rest is the work the request takes from others (weight ``w``, ``work_weight``): its own
+  prefill is GPU time that delays the requests queued behind it (``behind_i``: due later) and
+  those arriving before its queue drains (``arrivals_i``: the engine's recent request rate x
+  ``TTFT_i``, over ``1 - utilization`` of its prefill: a busy period stretches as the engine
+  fills); its decode occupies a place in the engine's decode batch and a share of every step,
+  priced as its decode GPU time x ``fill / (1 - fill)``, ``fill`` the batch's share of what
+  SCORPIO's admission lets in for the tightest TPOT SLO (``decode_i``). At light load the work
+  is about ``P_i`` (a cached prefix saves its prefill once); when queues are long it dominates,
+  so a loaded fleet keeps prefixes where they are cached instead of recomputing them to save a
+  little queueing (without it, ``work_weight=0``, overloaded cells lost 10 to 40 points of
+  attainment to ``cache_aware``), and decode batches fill evenly (counting only today's
+  decoders, bursts went to the engine with the fewest and only showed there a prefill later).
 * Exploit and explore are the two outcomes of one rule: the cheapest engine is usually the one
   holding the longest match (``exploit``), until its queue costs more than prefilling the
-  prefix elsewhere (``explore``: a hot prefix gets a second copy exactly when that is faster).
+  prefix elsewhere (``explore``: a hot prefix gets a second copy exactly when that is cheaper).
 * Tie band: engines within ``tie_rel x C_min + tie_ms`` of the cheapest are equally good
   (predictions are not that precise); among them the one holding the most of the key wins
   (keeps a prefix's requests together), then the least outstanding work (balance), then the
   injected rng. Without a band, near-equal costs always went to the same engine.
-* Prefill/decode balance (Preble; ``pd_balance``, off by default): within the tie band only, a
-  request that is mostly uncached prefers an engine whose recent work is mostly cached
-  (decode-heavy): a real GPU overlaps prefill with memory-bound decode. kvgate's simulated engine
-  adds decode and prefill times (no overlap), so this only shows on real engines.
-* SLO: only engines whose predicted TTFT is within the TTFT SLO (and whose decode step can meet
-  the TPOT SLO at all) are candidates; when none is, the request goes to the cheapest anyway
-  unless even that one would miss by more than ``shed_factor`` x the SLO: only then is it shed
-  (429), with the engine it would have gone to as the decision's ``fallback``.
-* Rebalancing (Preble's, ``rebalance``, off by default): after each decision, when the busiest
-  engine's windowed load is ``rebalance_ratio`` x the least busy's, move prefix groups off it and
-  replicate a hot prefix whose TTFT doubled. With the cost above the queue itself moves work,
-  and the matrix measured the moves as no better (docs/router.md); kept for ablation.
+* SLO: an engine that cannot decode the request within its TPOT SLO even alone is skipped.
+  When no engine is predicted to meet the TTFT SLO, the request still goes to the cheapest,
+  unless even the best would miss by more than ``shed_factor`` x the SLO: only then is it shed
+  (429), naming the engine it would have gone to (``Decision.fallback``). Preferring the
+  engines predicted to meet the SLO over cheaper ones (``prefer_feasible``) was measured worse:
+  a holder whose queue looks too long is usually still the best place.
+* Big fleets: only ``contenders`` engines are scored (the ones holding the most of the key and
+  the least loaded, half each); every engine before a shed.
+* Prefill/decode balance (Preble; ``pd_balance``, off): within the tie band only, a request that
+  is mostly uncached prefers an engine whose recent work is mostly cached (decode-heavy): a real
+  GPU overlaps prefill with memory-bound decode, which kvgate's simulated engine does not model.
+* Rebalancing (Preble's; ``rebalance``, off): after each decision, when the busiest engine's
+  windowed load is ``rebalance_ratio`` x the least busy's, move prefix groups off it and
+  replicate a hot prefix whose TTFT doubled. With the cost above, the queue moves work itself.
 
-Ablation flags: ``eviction_term``, ``slo_filter``, ``pd_balance``, ``rebalance``,
-``tie_rel=0,tie_ms=0`` (no band).
+Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
+``work_weight=0``, ``tie_rel=0,tie_ms=0``, ``prefer_feasible``, ``pd_balance``, ``rebalance``.
 """
 
 from __future__ import annotations
@@ -111,7 +130,8 @@ class _Scored:
         self.est = est
         self.matched = matched
         self.eviction = 0.0
-        self.cost = est.ttft_ms + work_weight * est.own_ms * (1 + est.behind + est.arrivals)
+        work = est.own_ms * (1 + est.behind + est.arrivals) + est.decode_harm
+        self.cost = est.ttft_ms + work_weight * work
 
 
 class E2(PolicyBase):
@@ -186,9 +206,11 @@ class E2(PolicyBase):
         )
 
     def _score(self, ev: EngineView, ctx: RequestContext, view: ClusterView, now: float) -> _Scored:
-        m = view.matched.get(ev.engine_id, 0)
-        est = estimate(ev, ctx, m, view, now, self._p_cache)
-        return _Scored(ev, est, m, self.config.work_weight)
+        eid = ev.engine_id
+        est = estimate(
+            ev, ctx, view.matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
+        )
+        return _Scored(ev, est, est.credited, self.config.work_weight)
 
     def _contenders(self, view: ClusterView) -> list[EngineView]:
         """The engines worth scoring: all of them in a fleet of at most ``contenders``, else

@@ -52,6 +52,7 @@ STEP_BUDGET = 0.9  # the engine cuts a step to this x the tightest decoding TPOT
 MIN_SHARE = 0.05  # prefill's share of a saturated decoder's GPU (at least one operator a step)
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 RATE_TAU_S = 10.0  # EngineView.rate_per_s decays with this time constant
+CONGESTED = 0.95  # a decode batch this full (or fuller) is as congested as it gets
 TPOT_MISS_RETRY_MS = 1000.0
 
 
@@ -91,6 +92,8 @@ class Estimate:
         "admit_ms",
         "arrivals",
         "behind",
+        "credited",
+        "decode_harm",
         "own_ms",
         "queue_ms",
         "share",
@@ -107,7 +110,12 @@ class Estimate:
         tpot_ok: bool,
         behind: int = 0,
         rate_per_s: float = 0.0,
+        credited: int = 0,
+        decode_harm: float = 0.0,
+        busy: float = 0.0,
     ) -> None:
+        self.decode_harm = decode_harm  # ms its decode will add to later requests' prefill
+        self.credited = credited  # key bytes counted as cached there
         self.behind = behind  # queued requests due later, which its prefill would delay
         self.queue_ms = queue_ms
         self.own_ms = own_ms
@@ -115,9 +123,9 @@ class Estimate:
         self.admit_ms = admit_ms
         self.tpot_ok = tpot_ok
         self.ttft_ms = (queue_ms + own_ms) / share + admit_ms
-        # requests expected to arrive there before the queue it joins drains: its prefill
-        # delays them too
-        self.arrivals = rate_per_s * self.ttft_ms / 1000.0
+        # requests expected to arrive there before its queue drains (a busy period stretches
+        # by 1 / (1 - utilization)): its prefill delays them too
+        self.arrivals = rate_per_s * self.ttft_ms / 1000.0 / (1.0 - busy)
 
     def excess_ms(self, ttft_slo_ms: float) -> float:
         """By how much the request would miss its SLO here (0: it would meet it)."""
@@ -126,12 +134,29 @@ class Estimate:
         return max(self.ttft_ms - ttft_slo_ms, 0.0)
 
 
+def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
+    """How many requests ``ev`` can decode together within ``tpot_ms`` by SCORPIO's admission
+    rule (``EstTPOT(B, L) x 1.3 < 0.99 x TPOT``, at the engine's fitted decode speed), the mean
+    context ``L`` taken over its requests in flight and this one (``ctx_tokens``)."""
+    prof = ev.profile
+    mean_ctx = (ev.open_ctx_tokens + ctx_tokens) / (ev.inflight + 1)
+    per_request = prof.decode_a * mean_ctx + prof.decode_b
+    room = TPOT_HEADROOM * tpot_ms / (TPOT_SAFETY * ev.decode_scale)
+    room -= prof.decode_d + prof.decode_c * mean_ctx
+    if per_request <= 0:
+        return 1 << 30 if room > 0 else 0
+    return max(math.ceil(room / per_request) - 1, 0)
+
+
 def decode_step_ms(ev: EngineView) -> float:
-    """The decode step of ``ev``'s running batch (the router's requests decoding there), at the
-    engine's fitted speed (0: nothing decodes)."""
-    if ev.decoding <= 0:
+    """The decode step of ``ev``'s batch while a new request's prefill runs, at the engine's
+    fitted speed (0: nothing decodes): every request the router has in flight there, not only
+    those decoding now. The ones still queued decode by the time a new request's prefill runs
+    (they are mostly ahead of it); counting only today's decoders made the router send a burst
+    to the engine with the fewest of them, which only showed its load a prefill later."""
+    if ev.decoding <= 0 or ev.inflight <= 0:
         return 0.0
-    step = ev.profile.decode_step_ms(ev.decoding, ev.decode_ctx_tokens / ev.decoding)
+    step = ev.profile.decode_step_ms(ev.inflight, ev.open_ctx_tokens / ev.inflight)
     return step * ev.decode_scale
 
 
@@ -150,25 +175,48 @@ def estimate(
     view: ClusterView,
     now: float,
     cache: PrefillCache,
+    confirmed: int | None = None,
 ) -> Estimate:
-    """When ``ctx``'s request would get its first token on ``ev`` (see the module docstring)."""
+    """When ``ctx``'s request would get its first token on ``ev`` (see the module docstring).
+    ``matched`` includes the router's speculative entries, ``confirmed`` not (None: the same):
+    a routed key is cached only once its request's prefill is done, so the speculative part
+    counts only when this request queues behind every open one there (none is due later); a
+    request due earlier overtakes them (S-EDF) and prefills the prefix itself."""
     req = ctx.request
     slo = req.slo
     queue, behind = view.prefill_queue(ev, deadline_s(ctx, now))
+    if behind and confirmed is not None and confirmed < matched:
+        matched = confirmed
     own = prefill_cost_ms(ev, ctx.key_len, matched, cache)
     prof = ev.profile
     mine = max(req.input_tokens, prof.tokens_for_bytes(ctx.key_len)) + req.max_tokens / 2
     limit = TPOT_HEADROOM * slo.tpot_ms
     alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
     admit = 0.0
+    t_min = min(slo.tpot_ms, ev.decode_tpot_min_ms)
+    capacity = decode_capacity(ev, mine, t_min)
     if alone < limit:
-        step = next_decode_step_ms(prof, ev.heartbeat, ev.open_ctx_tokens + mine, ev.inflight + 1)
-        if step * ev.decode_scale * TPOT_SAFETY >= limit:
-            admit = view.decode_release_ms(ev, now)  # VBS admission waits for a free slot
-    rate = ev.rate_per_s * math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+        # SCORPIO's VBS admission: a request starts only while the decode batch it joins stays
+        # within the tightest TPOT SLO; every request in flight there holds or awaits a place
+        need = ev.inflight + 1 - capacity
+        if need > 0:
+            admit = view.decode_release_ms(ev, now, need)
+    decay = math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+    share = prefill_share(ev)
+    # its decode takes a place in the engine's decode batch for its output tokens, and a
+    # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
+    # congestion factor of the batch's fill), for the requests that will need a place
+    decode_ms = req.max_tokens * (prof.decode_a * mine + prof.decode_b) * ev.decode_scale
+    fill = min(ev.inflight / capacity, CONGESTED) if capacity > 0 else CONGESTED
+    harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
     admit += decode_step_ms(ev)
-    return Estimate(queue, own, prefill_share(ev), admit, alone < limit, behind, rate)
+    # prefill's utilization there: the prefill routed there per second of the GPU time prefill
+    # gets
+    busy = min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
+    return Estimate(
+        queue, own, share, admit, alone < limit, behind, ev.rate_per_s * decay, matched, harm, busy
+    )
 
 
 def check(
@@ -180,7 +228,9 @@ def check(
     cache: PrefillCache,
 ) -> float:
     """0 when ``ev`` can meet the request's SLO, else by how many ms it would miss."""
-    return estimate(ev, ctx, matched, view, now, cache).excess_ms(ctx.request.slo.ttft_ms)
+    confirmed = view.confirmed.get(ev.engine_id, 0)
+    est = estimate(ev, ctx, matched, view, now, cache, confirmed)
+    return est.excess_ms(ctx.request.slo.ttft_ms)
 
 
 def deadline_s(ctx: RequestContext, now: float) -> float:

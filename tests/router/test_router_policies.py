@@ -81,6 +81,10 @@ class FakeView:
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
 
+    @property
+    def confirmed(self) -> dict[str, int]:
+        return self.matched  # hand-built states: no speculative entries
+
     def __post_init__(self) -> None:  # positions: the order of ``engines``, as the cluster's
         self.engines = [replace(e, position=i) for i, e in enumerate(self.engines)]
 
@@ -107,7 +111,7 @@ class FakeView:
     def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
         return self.prefill_ahead_ms(ev, deadline), 0
 
-    def decode_release_ms(self, ev: EngineView, now: float) -> float:
+    def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         return self.releases.get(ev.engine_id, 0.0)
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
@@ -189,7 +193,8 @@ def test_e2_explores_when_the_holders_queue_costs_more_than_prefilling_elsewhere
 def test_e2_counts_the_gpu_time_a_decode_batch_takes_from_prefill() -> None:
     # a: nothing queued, but 20 requests of 12k context decoding under a 100 ms TPOT SLO: each
     # step spends ~61 ms of its 90 ms budget decoding, so prefill runs at a third of its speed
-    busy = ev("a", decoding=20, decode_ctx=20 * 12_000.0, tpot_min=100.0)
+    busy = ev("a", inflight=20, open_ctx=20 * 12_000.0, decoding=20, decode_ctx=20 * 12_000.0,
+              tpot_min=100.0)  # fmt: skip
     share = prefill_share(busy)
     step = PROFILE.decode_step_ms(20, 12_000)
     assert share == pytest.approx(1 - step / 90.0)
@@ -276,8 +281,22 @@ def test_e2_waits_for_vbs_admission_on_a_full_decoder() -> None:
     assert d.engine_id == "b"
     by_id = {c.engine_id: c for c in d.candidates}
     assert by_id["a"].load_ms == pytest.approx(3000.0)
-    view.releases["a"] = 10.0  # a slot frees at once: a is idle otherwise
-    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "a"
+    view.releases["a"] = 10.0  # a slot frees at once: no wait, but a full batch is congested
+    d = make_policy("e2").choose(ctx(slo=slo), view, 0.0)
+    assert {c.engine_id: c for c in d.candidates}["a"].load_ms == pytest.approx(10.0)
+
+
+def test_e2_prices_a_filling_decode_batch() -> None:
+    # the same request on two idle engines, one with a decode batch near SCORPIO's limit for
+    # its TPOT SLO (26 requests of 12k context at 100 ms): the request's decode costs more there
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
+    filling = ev("a", inflight=20, open_ctx=20 * 12_000.0)
+    d = make_policy("e2").choose(ctx(slo=slo), FakeView([filling, ev("b", load=1.0)]), 0.0)
+    assert d.engine_id == "b"
+    d = make_policy("e2", {"work_weight": 0.0}).choose(
+        ctx(slo=slo), FakeView([filling, ev("b", load=1.0)]), 0.0
+    )
+    assert d.engine_id == "a"  # without the work term: equal TTFT, the less loaded (a: load 0)
 
 
 def test_e2_pd_balance_only_within_the_tie_band() -> None:
