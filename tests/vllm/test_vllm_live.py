@@ -43,6 +43,21 @@ pytestmark = [
 ]
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
+# the tiny model with its weights and run_vllm.sh beside it (this opt-in tier may use ../shared)
+VLLM_MODEL_DIR = Path(
+    os.environ.get("KVGATE_VLLM_MODEL_DIR")
+    or Path(__file__).resolve().parents[3] / "shared" / "tools" / "vllm-cpu" / "tiny-llama"
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir() -> Path:
+    assert (VLLM_MODEL_DIR / "model.safetensors").exists(), (
+        f"no tiny model at {VLLM_MODEL_DIR}: set KVGATE_VLLM_MODEL_DIR"
+    )
+    return VLLM_MODEL_DIR
+
+
 HTTP_ERRORS = (urllib.error.URLError, OSError, ValueError)
 
 
@@ -87,8 +102,8 @@ def wait_http(url: str, deadline_s: float, procs: list[subprocess.Popen]) -> Non
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir: Path, tmp_path_factory) -> Iterator[list[Engine]]:
-    script = model_dir.parent / "run_vllm.sh"
+def engines(vllm_model_dir: Path, tmp_path_factory) -> Iterator[list[Engine]]:
+    script = vllm_model_dir.parent / "run_vllm.sh"
     logs = tmp_path_factory.mktemp("vllm-logs")
     out = []
     for name in ("a", "b"):
@@ -115,8 +130,9 @@ def engines(model_dir: Path, tmp_path_factory) -> Iterator[list[Engine]]:
 
 @pytest.fixture
 def gateway(
-    engines: list[Engine], redis_url: str, redis_prefix: str, model_dir: Path, tmp_path: Path
+    engines: list[Engine], redis_url: str, redis_prefix: str, vllm_model_dir: Path, tmp_path: Path
 ) -> Iterator[str]:
+    model_dir = vllm_model_dir
     procs = []
     for e in engines:
         cmd = [KVGATE, "bridge", "vllm", "--zmq", e.events, "--replay", e.replay,
