@@ -14,7 +14,7 @@ were stored (:func:`make_events`), generated before timing starts.
 
 Both run in this one Python process, one at a time, so each uses a single core (Redis runs in its
 own process). Keys live under a unique prefix and are deleted afterwards. Results go to
-``bench/results/broker.json``.
+``results/broker.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from broker.events import KV_EVENT_TYPES, BlockRemoved, BlockStored, Envelope
 from engine_reporter import Reporter
 from engine_reporter.hashing import chain_hashes
 
-RESULTS = Path(__file__).parent / "results" / "broker.json"
+RESULTS = Path("results/broker.json")
 
 
 def make_events(n: int, seed: int, block_bytes: int, cache_blocks: int = 32768) -> list:

@@ -7,7 +7,7 @@ streaming completions from this process (shared system prompts, unique questions
 tokens, the engine's default relaxed SLO), read every stream to the end, then read the engine's
 own drift figures from ``/server_info`` (``kvgate.delivery_drift``: the delay between the time the
 core says a token was produced and the moment the server hands it to the response stream, over
-the last 20,000 tokens). Saves ``bench/results/engine_drift.json``.
+the last 20,000 tokens). Saves ``results/engine_drift.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-RESULT = Path("bench/results/engine_drift.json")
+RESULT = Path("results/engine_drift.json")
 SYSTEM_PROMPTS = [f"System prompt {i}: you are a helpful assistant. " * 20 for i in range(4)]
 
 

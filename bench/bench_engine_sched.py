@@ -17,7 +17,7 @@ A request attains its SLO when it is served with TTFT <= its TTFT SLO and mean T
 SLO (a rejected request does not). Goodput = attained requests per second of arrivals. The
 figure of merit is the highest rate at which attainment stays >= 90% (linear interpolation
 between measured rates), i.e. FlowPrefill's "max goodput at 90% SLO attainment".
-Saves ``bench/results/engine_sched.json``.
+Saves ``results/engine_sched.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from kvgate.cost_model import default_profile
 from kvgate.slo import SLO_CLASSES
 from kvgate.stats import percentile
 
-RESULT = Path("bench/results/engine_sched.json")
+RESULT = Path("results/engine_sched.json")
 WEIGHTS = {"chat": 0.55, "image": 0.15, "search": 0.2, "file": 0.1}
 CHAT_MAX, SEARCH_MAX, FILE_MAX = 1024, 8192, 32768
 TARGET_ATTAINMENT = 0.9

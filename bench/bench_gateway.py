@@ -1,6 +1,6 @@
 """Gateway overhead: latency added and throughput, against going direct and against peer routers.
 
-    .venv/bin/python -m bench.bench_gateway [--quick]  -> bench/results/gateway.json
+    .venv/bin/python -m bench.bench_gateway [--quick]  -> results/gateway.json
 
 Targets, all fronting the same upstream engines in the same run: ``direct`` (the client spreads
 requests over the engines itself), ``kvgate`` (``kvgate gateway`` as its own process, static
@@ -54,7 +54,7 @@ from aiohttp import web
 
 from kvgate.stats import percentile
 
-RESULTS = Path(__file__).parent / "results" / "gateway.json"
+RESULTS = Path("results/gateway.json")
 MODEL = "bench-model"
 LOOPBACK = "127.0.0.1"
 

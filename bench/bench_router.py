@@ -1,7 +1,7 @@
 """Router benchmark: decision latency, block-event ingest rate, tree memory per cached byte.
 
 Run: ``.venv/bin/python -m bench.bench_router [--mb 100] [--quick]``; prints the figures and
-writes ``bench/results/router.json``.
+writes ``results/router.json``.
 
 Workload (synthetic, random bytes so nothing compresses or shares by accident): ``--mb`` MB of
 unique cached text as documents of 16 KiB = a 4 KiB system prompt shared by a family of documents
@@ -45,7 +45,7 @@ BLOCK = 64
 SYS_BYTES = 4096
 BODY_BYTES = 12288
 DOCS_PER_FAMILY = 40
-RESULTS = Path(__file__).with_name("results") / "router.json"
+RESULTS = Path("results/router.json")
 
 
 def _heartbeat(router: Router, engine: str, now: float) -> None:

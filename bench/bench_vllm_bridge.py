@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.bench_vllm_bridge [--repeat 5]
 
 Prints messages/s and blocks/s for decoding (msgpack -> events) and for the whole path (decode,
-token ids -> bytes, kvgate hashing, bookkeeping), and saves bench/results/vllm_bridge.json.
+token ids -> bytes, kvgate hashing, bookkeeping), and saves results/vllm_bridge.json.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main() -> None:
     }
     for k, v in result.items():
         print(f"{k:>22}: {v}")
-    out = Path(__file__).with_name("results") / "vllm_bridge.json"
-    out.parent.mkdir(exist_ok=True)
+    out = Path("results/vllm_bridge.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")
 

@@ -26,7 +26,7 @@ import orjson
 
 from bench.workloads import WORKLOADS, WorkloadOptions
 
-RESULTS = Path("bench/results/tmp")  # git-ignored; pass --out for results to keep
+RESULTS = Path("results/tmp")  # git-ignored; pass --out for results to keep
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -12,7 +12,7 @@ import sys
 
 # subcommand -> (module, one-line help). The module is imported only when it is needed.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("gateway.demo", "gateway, router and simulated engines in one process"),
+    "demo": ("bench.demo", "gateway, router and simulated engines in one process"),
     "gateway": ("gateway.cli", "the OpenAI-compatible reverse proxy"),
     "router": ("router.cli", "the stateful router service (POST /route, GET /state, /metrics)"),
     "engine": ("engine.cli", "kvgate's simulated OpenAI engine with the local SLO scheduler"),

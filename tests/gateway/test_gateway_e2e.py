@@ -19,7 +19,7 @@ from gw_harness import wait_until
 
 from gateway.app import GATEWAY_KEY, Gateway, create_app, serve
 from gateway.config import GatewayConfig
-from gateway.demo import MODEL, DemoOptions, compare, demo_stack, format_table
+from bench.demo import MODEL, DemoOptions, compare, demo_stack, format_table
 from gateway.routing import embedded_routing
 
 pytestmark = pytest.mark.timeout(120)
