@@ -46,7 +46,7 @@ from gateway.httpserver import (
     json_response,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.pool import EnginePool
+from gateway.pool import EnginePool, Transition
 from gateway.upstream import (
     UpstreamConnectError,
     UpstreamError,
@@ -231,14 +231,9 @@ class Gateway:
                 AttributeError,
             ) as exc:
                 ok, error = False, repr(exc)
-            now = time.monotonic()
-            if self.pool.health_result(engine_id, ok, now, error):
-                log.warning(
-                    "engine %s is now %s",
-                    engine_id,
-                    "usable" if ok else "ejected",
-                    extra={"engine": engine_id, "error": error},
-                )
+            self._engine_transition(
+                engine_id, self.pool.health_result(engine_id, ok, time.monotonic(), error), error
+            )
 
         await asyncio.gather(
             *(probe(e.engine_id, e.url, not e.models) for e in list(self.pool.engines.values()))
@@ -499,12 +494,25 @@ class Gateway:
             self.metrics.retries.labels("upstream_failure").inc()
         raise AssertionError("unreachable: the last attempt always answers")
 
-    def _upstream_failed(self, engine_id: str, rid: str, kind: str, error: str) -> None:
-        now = time.monotonic()
-        self.metrics.upstream_errors.labels(engine_id, kind).inc()
-        if self.pool.finished(engine_id, False, now, error):
+    def _engine_transition(self, engine_id: str, transition: Transition | None, error: str) -> None:
+        """Log an engine's ejection once on the way down and once on the way back (the pool
+        reports only those two transitions, not every failed probe in between)."""
+        if transition == "ejected":
             self.metrics.engine_ejections.labels(engine_id).inc()
-            log.warning("engine %s ejected: %s", engine_id, error, extra={"engine": engine_id})
+            log.warning(
+                "engine %s ejected: %s",
+                engine_id,
+                error,
+                extra={"engine": engine_id, "error": error},
+            )
+        elif transition == "readmitted":
+            log.warning("engine %s readmitted", engine_id, extra={"engine": engine_id})
+
+    def _upstream_failed(self, engine_id: str, rid: str, kind: str, error: str) -> None:
+        self.metrics.upstream_errors.labels(engine_id, kind).inc()
+        self._engine_transition(
+            engine_id, self.pool.finished(engine_id, False, time.monotonic(), error), error
+        )
         self._report(rid, engine_id, "failed")
 
     def _client_gone(self, engine_id: str, rid: str) -> None:
@@ -586,7 +594,10 @@ class Gateway:
         finally:
             upstream.close()  # a no-op once the body was read: the connection is back
         ok = status < 500
-        self.pool.finished(engine_id, ok, time.monotonic(), "" if ok else f"{status}")
+        error = "" if ok else f"answered {status}"
+        self._engine_transition(
+            engine_id, self.pool.finished(engine_id, ok, time.monotonic(), error), error
+        )
         self._report(rid, engine_id, "ok" if ok else "failed")
         m = self.metrics
         m.child(m.e2e, route.path, "false").observe(time.perf_counter() - start)
@@ -655,7 +666,7 @@ class Gateway:
             self.open_streams -= 1
             now = time.monotonic()
             if outcome == "ok":
-                self.pool.finished(engine_id, True, now)
+                self._engine_transition(engine_id, self.pool.finished(engine_id, True, now), "")
             elif outcome == "cancelled":
                 self.pool.released(engine_id)
             if outcome != "failed":

@@ -12,6 +12,11 @@ Circuit breaker per engine::
 Failures are passive (a proxied request could not connect or got a 5xx before its first byte) or
 active (``GET /health`` failed). A half-open engine takes one trial at a time: the next health
 probe or one real request, whichever comes first.
+
+An engine is *ejected* when its circuit first opens and *readmitted* when a success closes it:
+the pool reports those two transitions once each (``Transition``), however many failed trials
+re-open the circuit in between, so the gateway logs an outage once on the way down and once on
+the way back.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from router.api import EngineInfo
 
 CircuitState = Literal["closed", "open", "half_open"]
 CIRCUIT_CODES: dict[CircuitState, int] = {"closed": 0, "open": 1, "half_open": 2}
+Transition = Literal["ejected", "readmitted"]
 
 
 @dataclass(slots=True)
@@ -52,16 +58,20 @@ class Breaker:
         if self.usable(now) and self.state == "half_open":
             self.trial_in_flight = True
 
-    def success(self) -> None:
+    def success(self) -> bool:
+        """Close the circuit; True when this readmitted an ejected engine."""
+        was_out = self.state != "closed"
         self.state = "closed"
         self.consecutive_failures = 0
         self.cooldown_s = 0.0
         self.trial_in_flight = False
+        return was_out
 
     def failure(self, now: float) -> bool:
-        """Count a failure; True when this one opened the circuit."""
+        """Count a failure; True when this one ejected a working engine (closed -> open). A
+        failed half-open trial re-opens the circuit quietly: the engine was never back."""
         self.consecutive_failures += 1
-        was_open = self.state == "open"
+        was_closed = self.state == "closed"
         if self.state == "half_open":
             self.cooldown_s = min(self.cooldown_s * 2, self.config.max_cooldown_s)
         elif self.state == "closed" and self.consecutive_failures >= self.config.failures:
@@ -71,7 +81,7 @@ class Breaker:
         self.state = "open"
         self.opened_at = now
         self.trial_in_flight = False
-        return not was_open
+        return was_closed
 
 
 @dataclass(slots=True)
@@ -226,22 +236,22 @@ class EnginePool:
                 e.breaker.begin(now)
                 self.changed()
 
-    def finished(self, engine_id: str, ok: bool, now: float, error: str = "") -> bool:
-        """A proxied request ended; True when its failure opened the circuit."""
+    def finished(self, engine_id: str, ok: bool, now: float, error: str = "") -> Transition | None:
+        """A proxied request ended; says when it ejected or readmitted the engine."""
         e = self.engines.get(engine_id)
         if e is None:
-            return False
+            return None
         e.inflight = max(0, e.inflight - 1)
         if ok:
             e.served += 1
             if e.breaker.state != "closed" or e.breaker.consecutive_failures:
-                e.breaker.success()
                 self.changed()
-            return False
+                return "readmitted" if e.breaker.success() else None
+            return None
         e.failures += 1
         e.last_error = error
         self.changed()
-        return e.breaker.failure(now)
+        return "ejected" if e.breaker.failure(now) else None
 
     def released(self, engine_id: str) -> None:
         """A request ended without telling anything about the engine's health (the client
@@ -253,21 +263,24 @@ class EnginePool:
                 e.breaker.trial_in_flight = False
                 self.changed()
 
-    def health_result(self, engine_id: str, ok: bool, now: float, error: str = "") -> bool:
-        """An active probe's result; True when it changed whether the engine is usable."""
+    def health_result(
+        self, engine_id: str, ok: bool, now: float, error: str = ""
+    ) -> Transition | None:
+        """An active probe's result; says when it ejected or readmitted the engine (an
+        ejected engine is probed again after each cooldown; only the probe that brings it
+        back is a transition)."""
         e = self.engines.get(engine_id)
         if e is None:
-            return False
-        before = e.breaker.usable(now)
+            return None
+        e.breaker.usable(now)  # (an open circuit past its cooldown turns half-open here)
         self.changed()
         if ok:
             e.last_health_ok = now
-            if e.breaker.state != "open":
-                e.breaker.success()
-        else:
-            e.last_error = error
-            e.breaker.failure(now)
-        return before != e.breaker.usable(now)
+            if e.breaker.state != "open" and e.breaker.success():
+                return "readmitted"
+            return None
+        e.last_error = error
+        return "ejected" if e.breaker.failure(now) else None
 
     def set_draining(self, engine_id: str, draining: bool) -> bool:
         e = self.engines.get(engine_id)

@@ -17,9 +17,9 @@ import openai
 import pytest
 from gw_harness import wait_until
 
+from bench.demo import MODEL, DemoOptions, compare, demo_stack, format_table
 from gateway.app import GATEWAY_KEY, Gateway, create_app, serve
 from gateway.config import GatewayConfig
-from bench.demo import MODEL, DemoOptions, compare, demo_stack, format_table
 from gateway.routing import embedded_routing
 
 pytestmark = pytest.mark.timeout(120)

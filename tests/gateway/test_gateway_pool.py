@@ -17,17 +17,18 @@ def pool(n: int = 2, **breaker: float) -> EnginePool:
 
 def test_breaker_opens_after_consecutive_failures_then_half_open_then_closes() -> None:
     p = pool(failures=3, cooldown_s=2.0)
-    assert not p.finished("e0", False, 0.0) and not p.finished("e0", False, 0.1)
+    assert p.finished("e0", False, 0.0) is None and p.finished("e0", False, 0.1) is None
     assert p.blocked(0.1) == frozenset()
-    assert p.finished("e0", False, 0.2)  # the third one opens it
+    assert p.finished("e0", False, 0.2) == "ejected"  # the third one opens it
     assert p.blocked(0.2) == {"e0"}
     assert p.blocked(2.1) == {"e0"}  # still cooling down
     assert p.blocked(2.3) == frozenset()  # half-open: one trial allowed
     p.started("e0", 2.3)
     assert p.engines["e0"].breaker.state == "half_open"
     assert p.blocked(2.31) == {"e0"}  # the trial is in flight: nobody else
-    p.finished("e0", True, 2.4)
+    assert p.finished("e0", True, 2.4) == "readmitted"
     assert p.engines["e0"].breaker.state == "closed" and p.blocked(2.4) == frozenset()
+    assert p.finished("e0", True, 2.5) is None
 
 
 def test_failed_trial_doubles_the_cooldown_up_to_the_cap() -> None:
@@ -38,7 +39,7 @@ def test_failed_trial_doubles_the_cooldown_up_to_the_cap() -> None:
     for now, want in ((1.0, 2.0), (3.0, 3.0), (6.0, 3.0)):
         assert p.blocked(now + 0.01) == frozenset()
         p.started("e0", now + 0.01)
-        p.finished("e0", False, now + 0.01)
+        assert p.finished("e0", False, now + 0.01) is None  # still out: not a new ejection
         assert b.state == "open" and b.cooldown_s == want
 
 
@@ -52,13 +53,29 @@ def test_success_resets_the_failure_count() -> None:
 
 def test_health_probes_eject_and_readmit() -> None:
     p = pool(failures=2, cooldown_s=1.0)
-    assert not p.health_result("e1", False, 0.0)
-    assert p.health_result("e1", False, 0.5)  # now ejected
+    assert p.health_result("e1", False, 0.0) is None
+    assert p.health_result("e1", False, 0.5) == "ejected"
     assert "e1" in p.blocked(0.5)
-    assert not p.health_result("e1", True, 0.6)  # too early: stays open
+    assert p.health_result("e1", True, 0.6) is None  # too early: stays open
     assert "e1" in p.blocked(0.6)
-    p.health_result("e1", True, 1.6)  # after the cooldown a good probe closes it
+    assert p.health_result("e1", True, 1.6) == "readmitted"  # after the cooldown
     assert p.engines["e1"].breaker.state == "closed"
+
+
+def test_an_outage_is_one_ejection_and_one_readmission() -> None:
+    """Failed probes after every cooldown keep the engine out without a new transition, and
+    requests racing the probes neither; only the way down and the way back are reported."""
+    p = pool(failures=1, cooldown_s=0.5, max_cooldown_s=1.0)
+    seen = [p.health_result("e0", False, 0.0)]
+    for i in range(1, 40):
+        now = i * 0.3
+        seen.append(p.health_result("e0", False, now))
+        if p.engines["e0"].breaker.usable(now):  # half-open: a real request is the trial
+            p.started("e0", now)
+            seen.append(p.finished("e0", False, now, "refused"))
+    seen.append(p.health_result("e0", True, 20.0))
+    seen.append(p.health_result("e0", True, 20.5))
+    assert [t for t in seen if t is not None] == ["ejected", "readmitted"]
 
 
 def test_least_loaded_uses_inflight_and_skips_blocked_drained_and_excluded() -> None:
