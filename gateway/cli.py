@@ -25,6 +25,8 @@ from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
 from kvgate.runtime import tune_gc
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
+from router.options import add_router_options, router_config
+from router.policies.registry import PolicyError
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -72,8 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(env KVGATE_BROKER_URL; default %(default)s)",
     )
     r.add_argument("--broker-prefix", default="kvgate:", help="broker key prefix (%(default)s)")
-    r.add_argument("--policy", default="e2", help="embedded router's policy (default %(default)s)")
-    r.add_argument("--seed", type=int, default=0, help="embedded router's random seed")
     r.add_argument(
         "--engine",
         action="append",
@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SLO_CLASS,
         choices=sorted(SLO_CLASSES),
         help="SLO of requests that state none (default %(default)s)",
+    )
+    add_router_options(
+        parser.add_argument_group("embedded router (the same flags as kvgate router's)")
     )
     p = parser.add_argument_group("proxy")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
@@ -188,6 +191,7 @@ async def serve_forever(
         policy=args.policy,
         seed=args.seed,
         static_engines=config.static_engines,
+        router=router_config(args),
     )
     async with open_routing(options) as routing:
         app = create_app(
@@ -236,8 +240,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         workers = resolve_workers(args.workers)
-    except ValueError as exc:
+        router_config(args)  # (a bad policy or option fails here, before anything starts)
+    except (PolicyError, ValueError, TypeError) as exc:
         log.error("%s", exc)
+        print(f"kvgate gateway: error: {exc}", file=sys.stderr)
         return 2
     problem = multi_worker_error(workers, args.router_url, args.broker_url)
     if problem is not None:

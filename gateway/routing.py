@@ -32,6 +32,7 @@ class RoutingOptions:
     seed: int = 0
     static_engines: tuple[StaticEngine, ...] = ()
     router_config: Mapping[str, Any] = field(default_factory=dict)  # extra RouterConfig fields
+    router: Any = None  # a whole router.core.RouterConfig (router.options), over the above
 
 
 @dataclass(slots=True)
@@ -71,11 +72,14 @@ def embedded_stats(service: Any, broker: Any) -> StatsProvider:
     return stats
 
 
-def build_router(policy: str, seed: int, extra: Mapping[str, Any]) -> Any:
-    """A ``router.core.Router`` with ``policy`` (and any other RouterConfig fields)."""
+def build_router(policy: str, seed: int, extra: Mapping[str, Any], config: Any = None) -> Any:
+    """A ``router.core.Router`` from a whole ``RouterConfig`` (``config``), or with ``policy``
+    and any other RouterConfig fields."""
     from router.core import Router, RouterConfig
 
-    return Router(RouterConfig(policy=policy, **dict(extra)), random.Random(seed))
+    if config is None:
+        config = RouterConfig(policy=policy, **dict(extra))
+    return Router(config, random.Random(seed))
 
 
 @asynccontextmanager
@@ -104,6 +108,7 @@ async def open_routing(options: RoutingOptions) -> AsyncIterator[RoutingHandle]:
             seed=options.seed,
             static_engines=options.static_engines,
             router_config=options.router_config,
+            router=options.router,
             description=f"embedded {options.policy} on {options.broker_url}",
         ) as handle:
             yield handle
@@ -119,13 +124,14 @@ async def embedded_routing(
     seed: int = 0,
     static_engines: tuple[StaticEngine, ...] = (),
     router_config: Mapping[str, Any] | None = None,
+    router: Any = None,
     description: str = "embedded",
 ) -> AsyncIterator[RoutingHandle]:
     """``router.core.Router`` + ``router.service.EmbeddedRouter`` on an open broker (the caller
     owns the broker: the demo shares one in-process broker with its engines)."""
     from router.service import EmbeddedRouter
 
-    router = build_router(policy, seed, router_config or {})
+    router = build_router(policy, seed, router_config or {}, router)
     for s in static_engines:
         router.add_static_engine(s.engine_id, s.url, s.models)
     service = EmbeddedRouter(router, broker)

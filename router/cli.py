@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import signal
@@ -14,9 +13,9 @@ from aiohttp import web
 
 from kvgate.logs import setup_logging
 from kvgate.runtime import tune_gc
-from router.cluster import ClusterConfig
-from router.core import Router, RouterConfig
-from router.policies.registry import POLICIES, PolicyError, make_policy
+from router.core import Router
+from router.options import add_router_options, router_config
+from router.policies.registry import PolicyError
 
 log = logging.getLogger("kvgate.router")
 
@@ -26,36 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--broker-prefix", "--prefix", dest="prefix", default="kvgate:", help="broker key prefix"
     )
-    parser.add_argument("--policy", default="e2", choices=sorted(POLICIES), help="routing policy")
-    parser.add_argument(
-        "--policy-option",
-        action="append",
-        default=[],
-        metavar="NAME=JSON",
-        help="a field of the policy's config, e.g. rebalance=false (repeatable)",
-    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8400, help="port to listen on (0: any)")
-    parser.add_argument("--tree-budget-mb", type=float, default=1024.0, help="radix tree budget")
-    parser.add_argument("--window-s", type=float, default=180.0, help="load/prefix window")
-    parser.add_argument("--heartbeat-ttl-s", type=float, default=15.0, help="engine liveness TTL")
-    parser.add_argument(
-        "--inflight-timeout-s", type=float, default=600.0, help="forget unreported requests after"
-    )
-    parser.add_argument(
-        "--speculative-ttl-s", type=float, default=10.0, help="routed key assumed cached for"
-    )
-    parser.add_argument(
-        "--speculative-grace-s",
-        type=float,
-        default=1.0,
-        help="... and, on an engine reporting KV events, this long after its request ended",
-    )
-    parser.add_argument(
-        "--approximate",
-        action="store_true",
-        help="build the cache map from routing decisions only (engines without reporters)",
-    )
+    add_router_options(parser.add_argument_group("routing (the same flags as kvgate gateway's)"))
     parser.add_argument(
         "--static-engine",
         action="append",
@@ -63,37 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID=URL[,MODEL...]",
         help="an engine configured by hand (repeatable)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the policy's rng")
     parser.add_argument("--log-level", default="info")
-
-
-def _options(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise PolicyError(f"--policy-option wants NAME=VALUE, got {pair!r}")
-        try:
-            out[name] = json.loads(value)
-        except json.JSONDecodeError:
-            out[name] = value
-    return out
 
 
 def build(args: argparse.Namespace) -> Router:
     """The Router the arguments describe (raises PolicyError/ValueError on bad ones)."""
-    options = _options(args.policy_option)
-    make_policy(args.policy, options)  # validate before anything starts
-    cluster = ClusterConfig(
-        window_s=args.window_s,
-        heartbeat_ttl_s=args.heartbeat_ttl_s,
-        inflight_timeout_s=args.inflight_timeout_s,
-        tree_budget_bytes=int(args.tree_budget_mb * (1 << 20)),
-        speculative_ttl_s=args.speculative_ttl_s,
-        speculative_grace_s=args.speculative_grace_s,
-        approximate=args.approximate,
-    )
-    router = Router(RouterConfig(args.policy, options, cluster), random.Random(args.seed))
+    router = Router(router_config(args), random.Random(args.seed))
     for spec in args.static_engine:
         engine_id, sep, rest = spec.partition("=")
         if not sep or not engine_id or not rest:

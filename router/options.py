@@ -1,0 +1,86 @@
+"""The router's command-line options, defined once for every process that runs a router:
+``kvgate router`` and ``kvgate gateway`` with its router embedded take the same flags and build
+the same :class:`router.core.RouterConfig` from them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from router.cluster import ClusterConfig
+from router.core import RouterConfig
+from router.policies.registry import POLICIES, PolicyError, make_policy
+
+
+def add_router_options(group: Any) -> None:
+    """Add the routing-policy and cluster-state flags to a parser or argument group."""
+    group.add_argument(
+        "--policy", default="e2", choices=sorted(POLICIES), help="routing policy (default e2)"
+    )
+    group.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="a field of the policy's config, e.g. work_weight=2 (repeatable)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed of the policy's rng")
+    group.add_argument("--tree-budget-mb", type=float, default=1024.0, help="radix tree budget")
+    group.add_argument("--window-s", type=float, default=180.0, help="load/prefix window")
+    group.add_argument("--heartbeat-ttl-s", type=float, default=15.0, help="engine liveness TTL")
+    group.add_argument(
+        "--inflight-timeout-s", type=float, default=600.0, help="forget unreported requests after"
+    )
+    group.add_argument(
+        "--speculative-ttl-s", type=float, default=10.0, help="routed key assumed cached for"
+    )
+    group.add_argument(
+        "--speculative-grace-s",
+        type=float,
+        default=1.0,
+        help="... and, on an engine reporting KV events, this long after its request ended",
+    )
+    group.add_argument(
+        "--approximate",
+        action="store_true",
+        help="build the cache map from routing decisions only (engines without reporters)",
+    )
+    group.add_argument(
+        "--no-fit-speed",
+        dest="fit_speed",
+        action="store_false",
+        help="trust the engines' announced cost profiles (no online speed fit)",
+    )
+
+
+def policy_options(pairs: list[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` pairs; a value is JSON when it parses as JSON, else the string."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise PolicyError(f"--policy-option wants NAME=VALUE, got {pair!r}")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig the flags describe; raises PolicyError/ValueError/TypeError on bad
+    ones (the policy is built once here to validate its options before anything starts)."""
+    options = policy_options(args.policy_option)
+    make_policy(args.policy, options)
+    cluster = ClusterConfig(
+        window_s=args.window_s,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        inflight_timeout_s=args.inflight_timeout_s,
+        tree_budget_bytes=int(args.tree_budget_mb * (1 << 20)),
+        speculative_ttl_s=args.speculative_ttl_s,
+        speculative_grace_s=args.speculative_grace_s,
+        approximate=args.approximate,
+        fit_speed=args.fit_speed,
+    )
+    return RouterConfig(args.policy, options, cluster)

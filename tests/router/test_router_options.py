@@ -1,0 +1,91 @@
+"""One definition of the router's flags (router/options.py) for ``kvgate router`` and for
+``kvgate gateway`` with its router embedded: same flags, same defaults, same RouterConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gateway import cli as gateway_cli
+from gateway.routing import RoutingOptions, open_routing
+from kvgate.cli import build_parser
+from router import cli as router_cli
+from router.options import add_router_options, router_config
+
+ARGV = [
+    "--policy",
+    "e2",
+    "--policy-option",
+    "work_weight=2",
+    "--policy-option",
+    "rebalance=true",
+    "--window-s",
+    "60",
+    "--tree-budget-mb",
+    "64",
+    "--speculative-ttl-s",
+    "3",
+    "--seed",
+    "7",
+    "--no-fit-speed",
+]
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, object]:
+    """Option string -> default, of every flag the parser takes."""
+    return {s: a.default for a in parser._actions for s in a.option_strings}
+
+
+def sub(command: str) -> argparse.ArgumentParser:
+    parser = build_parser([command])
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
+def test_both_commands_take_every_router_flag_with_the_same_default() -> None:
+    reference = argparse.ArgumentParser()
+    add_router_options(reference)
+    want = {s: d for s, d in flags(reference).items() if s not in ("-h", "--help")}
+    assert {"--policy", "--policy-option", "--seed", "--window-s"} <= set(want)
+    for command in ("router", "gateway"):
+        have = flags(sub(command))
+        assert {s: have.get(s, "missing") for s in want} == want, command
+
+
+def test_the_same_flags_give_the_same_router_config() -> None:
+    r = router_config(sub("router").parse_args(ARGV))
+    g = router_config(sub("gateway").parse_args(ARGV))
+    assert r == g
+    assert r.policy_options == {"work_weight": 2, "rebalance": True}
+    assert r.cluster.window_s == 60.0 and r.cluster.tree_budget_bytes == 64 << 20
+    assert r.cluster.speculative_ttl_s == 3.0 and r.cluster.fit_speed is False
+
+
+async def test_the_embedded_router_runs_with_the_flags() -> None:
+    args = sub("gateway").parse_args(ARGV)
+    options = RoutingOptions(policy=args.policy, seed=args.seed, router=router_config(args))
+    async with open_routing(options) as handle:
+        config = handle.router.config
+        assert config.policy_options == {"work_weight": 2, "rebalance": True}
+        assert config.cluster.window_s == 60.0
+        assert handle.router.policy.config.work_weight == 2
+        assert handle.router.policy.config.rebalance is True
+
+
+@pytest.mark.parametrize("command", ["router", "gateway"])
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        (["--policy-option", "no_such_option=1"], "no_such_option"),
+        (["--policy-option", "work_weight"], "NAME=VALUE"),
+        (["--policy-option", "shed_factor=0.5"], "shed_factor"),
+    ],
+)
+def test_a_bad_policy_option_stops_either_command_with_a_clear_error(
+    command: str, bad: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = router_cli if command == "router" else gateway_cli
+    args = sub(command).parse_args(["--log-level", "error", *bad])
+    assert module.run(args) == 2
+    assert words in capsys.readouterr().err
