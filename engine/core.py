@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
 
 from broker.events import (
     Event,
@@ -41,9 +40,9 @@ from broker.events import (
     RequestRejected,
     RequestStarted,
 )
-from engine.costs import TtftPredictor, prefill_batch_ms
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import make_policy
+from engine.scheduler.book import SchedBook
 from engine.scheduler.state import (
     EngineRequest,
     Phase,
@@ -106,13 +105,10 @@ class _Step:
         return self.start + self.decode_ms / 1000.0
 
 
-@cache
-def _predictor(profile: CostProfile, max_tokens: int) -> TtftPredictor:
-    return TtftPredictor.fit(profile, max_tokens)
-
-
-class EngineCore:
-    """One simulated engine: prefix cache, scheduler and GPU timeline (see module docstring)."""
+class EngineCore(SchedBook):
+    """One simulated engine: prefix cache, scheduler and GPU timeline (see module docstring).
+    The scheduler's books (queues, SCORPIO's ledger, prefill units) are :class:`SchedBook`'s,
+    shared with the vLLM scheduler plug-in."""
 
     def __init__(
         self,
@@ -122,28 +118,17 @@ class EngineCore:
         policy: str = "slo",
         config: SchedulerConfig | None = None,
     ) -> None:
+        super().__init__(profile, config or SchedulerConfig())
         self.engine_id = engine_id
-        self.profile = profile
-        self.config = config or SchedulerConfig()
         self.policy = make_policy(policy)
-        self.predict = _predictor(profile, self.config.predictor_max_tokens)
         self.cache = PrefixCache(profile.kv_blocks, profile.block_bytes)
-        self.waiting: list[ReqState] = []
-        self.prefilling: list[ReqState] = []
-        self.decoding: list[ReqState] = []
         self._states: dict[str, ReqState] = {}
         self._step: _Step | None = None
-        self._running_unit: PrefillUnit | None = None
         self._wake: float | None = None
         self._pending: list[Output] = []
         self._pending_at: float | None = None
         self._events: list[Event] = []
         self._seq = 0
-        # Admitted requests' TPOT SLOs, for SCORPIO's VBS: ms -> count, sum 1/ms, sum contexts.
-        self._tpot_counts: dict[float, int] = {}
-        self._inv_tpot_sum = 0.0
-        self._ctx_sum = 0.0
-        self._admitted = 0
         self.finished = 0
         self.rejected = 0
         self.busy_s = 0.0  # time spent in steps (completed ones): the GPU's busy time
@@ -297,18 +282,6 @@ class EngineCore:
 
     # ------------------------------------------------------------------ introspection
 
-    @property
-    def running(self) -> int:
-        """Admitted requests (prefilling, preempted or decoding)."""
-        return self._admitted
-
-    @property
-    def vbs(self) -> float:
-        """SCORPIO's virtual batch size over admitted requests: sum of T_min / TPOT_SLO."""
-        if not self._tpot_counts:
-            return 0.0
-        return min(self._tpot_counts) * self._inv_tpot_sum
-
     def phase_of(self, request_id: str) -> Phase | None:
         st = self._states.get(request_id)
         return st.phase if st is not None else None
@@ -331,14 +304,7 @@ class EngineCore:
         if matched is None:
             return False
         st.cached_tokens = self._cached_tokens(st.req, matched)
-        st.move(Phase.PREFILLING)
-        self.waiting.remove(st)
-        self.prefilling.append(st)
-        t = st.req.slo.tpot_ms
-        self._tpot_counts[t] = self._tpot_counts.get(t, 0) + 1
-        self._inv_tpot_sum += 1.0 / t
-        self._ctx_sum += st.mean_context
-        self._admitted += 1
+        self._enter_prefill(st)
         self._events.append(RequestStarted(st.request_id))
         return True
 
@@ -349,26 +315,6 @@ class EngineCore:
         self._events.append(RequestRejected(st.request_id, reason))
         self._pending.append(Output(st.request_id, rejected=reason))
         self.rejected += 1
-
-    def make_unit(self, pieces: list[tuple[ReqState, int]], *, preemptible: bool) -> PrefillUnit:
-        full = [
-            (st, n, min(st.cached_tokens, st.req.input_tokens - 1) + st.prefilled)
-            for st, n in pieces
-        ]
-        unit = PrefillUnit(
-            pieces=full,
-            total_ms=prefill_batch_ms(self.profile, [(n, c) for _, n, c in full]),
-            pred_ms=self.predict(sum(n for _, n, _ in full)),
-            ops_total=2 * self.config.layers,
-            preemptible=preemptible,
-        )
-        for st, _, _ in full:
-            st.unit = unit
-        return unit
-
-    def admitted_tpot_stats(self) -> tuple[float | None, float, float, int]:
-        tmin = min(self._tpot_counts) if self._tpot_counts else None
-        return tmin, self._inv_tpot_sum, self._ctx_sum, self._admitted
 
     # ------------------------------------------------------------------ internals
 
@@ -396,18 +342,9 @@ class EngineCore:
 
     def _start_step(self, t: float) -> None:
         plan = self.policy.plan(self, t)
-        prev = self._running_unit
-        if prev is not None and prev is not plan.unit and prev.ops_left > 0:
-            for st in prev.live():
-                if st.phase is Phase.PREFILLING:
-                    st.move(Phase.PREEMPTED)
-                    self._events.append(RequestPreempted(st.request_id))
+        for st in self._switch_unit(plan.unit):
+            self._events.append(RequestPreempted(st.request_id))
         unit = plan.unit
-        if unit is not None:
-            for st in unit.live():
-                if st.phase is Phase.PREEMPTED:
-                    st.move(Phase.PREFILLING)
-        self._running_unit = unit
         if not plan.decode and (unit is None or plan.prefill_ops <= 0):
             self._step = None
             return
@@ -524,12 +461,4 @@ class EngineCore:
         if not self.cache.holds(st.request_id):
             return
         self.cache.release(st.request_id, now)
-        t = st.req.slo.tpot_ms
-        left = self._tpot_counts[t] - 1
-        if left:
-            self._tpot_counts[t] = left
-        else:
-            del self._tpot_counts[t]
-        self._inv_tpot_sum = max(self._inv_tpot_sum - 1.0 / t, 0.0) if self._tpot_counts else 0.0
-        self._ctx_sum = max(self._ctx_sum - st.mean_context, 0.0) if self._tpot_counts else 0.0
-        self._admitted -= 1
+        self._leave_ledger(st)

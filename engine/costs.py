@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from kvgate.cost_model import CostProfile
 
@@ -119,3 +120,9 @@ class TtftPredictor:
         weights = [1.0 / max(ms, floor) ** 2 for _, ms in samples]
         coef = least_squares(rows, [ms for _, ms in samples], weights)
         return cls((coef[0], coef[1], coef[2], coef[3]), scale, floor)
+
+
+@cache
+def cached_predictor(profile: CostProfile, max_tokens: int) -> TtftPredictor:
+    """The predictor of ``profile`` fit up to ``max_tokens``, fit once per process."""
+    return TtftPredictor.fit(profile, max_tokens)

@@ -1,0 +1,117 @@
+"""The books a scheduling policy reads and writes, kept once for every engine that runs one.
+
+kvgate's simulated engine (:class:`engine.core.EngineCore`) and the scheduler plug-in for a real
+vLLM (:mod:`kvgate.vllm`) both subclass :class:`SchedBook`, so the same policy objects
+(:mod:`engine.scheduler.slo` and the others) decide on the same state in both:
+
+* the three queues a :class:`~engine.scheduler.base.SchedView` shows (waiting, prefilling,
+  decoding) and the move of a request from waiting to prefilling;
+* SCORPIO's ledger of the admitted requests' TPOT SLOs and mean contexts (what VBS admission
+  reads through :meth:`admitted_tpot_stats`);
+* prefill units (:meth:`make_unit`, costed on the cost profile, predicted by FlowPrefill's cubic)
+  and the switch from one unit to the next (who is paused, who resumes).
+
+What differs stays in the subclasses: where KV memory lives and whether a request fits
+(``admissible``/``admit``), how a refusal reaches the client (``reject``), and how time passes
+(a simulated timeline, or vLLM's own steps). Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from engine.costs import cached_predictor, prefill_batch_ms
+from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig
+from kvgate.cost_model import CostProfile
+
+
+class SchedBook:
+    """Queues, SCORPIO's ledger and prefill units (a SchedView without its KV half)."""
+
+    def __init__(self, profile: CostProfile, config: SchedulerConfig) -> None:
+        self.profile = profile
+        self.config = config
+        self.predict = cached_predictor(profile, config.predictor_max_tokens)
+        self.waiting: list[ReqState] = []
+        self.prefilling: list[ReqState] = []
+        self.decoding: list[ReqState] = []
+        # Admitted requests' TPOT SLOs, for SCORPIO's VBS: ms -> count, sum 1/ms, sum contexts.
+        self._tpot_counts: dict[float, int] = {}
+        self._inv_tpot_sum = 0.0
+        self._ctx_sum = 0.0
+        self._admitted = 0
+        self._running_unit: PrefillUnit | None = None  # the unit the last step ran
+
+    # ------------------------------------------------------------------ what policies read
+
+    @property
+    def running(self) -> int:
+        """Admitted requests (prefilling, preempted or decoding)."""
+        return self._admitted
+
+    @property
+    def vbs(self) -> float:
+        """SCORPIO's virtual batch size over admitted requests: sum of T_min / TPOT_SLO."""
+        if not self._tpot_counts:
+            return 0.0
+        return min(self._tpot_counts) * self._inv_tpot_sum
+
+    def admitted_tpot_stats(self) -> tuple[float | None, float, float, int]:
+        tmin = min(self._tpot_counts) if self._tpot_counts else None
+        return tmin, self._inv_tpot_sum, self._ctx_sum, self._admitted
+
+    def make_unit(self, pieces: list[tuple[ReqState, int]], *, preemptible: bool) -> PrefillUnit:
+        full = [
+            (st, n, min(st.cached_tokens, st.req.input_tokens - 1) + st.prefilled)
+            for st, n in pieces
+        ]
+        unit = PrefillUnit(
+            pieces=full,
+            total_ms=prefill_batch_ms(self.profile, [(n, c) for _, n, c in full]),
+            pred_ms=self.predict(sum(n for _, n, _ in full)),
+            ops_total=2 * self.config.layers,
+            preemptible=preemptible,
+        )
+        for st, _, _ in full:
+            st.unit = unit
+        return unit
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _enter_prefill(self, st: ReqState) -> None:
+        """``st`` was admitted: waiting -> prefilling, and its TPOT SLO joins the ledger."""
+        st.move(Phase.PREFILLING)
+        self.waiting.remove(st)
+        self.prefilling.append(st)
+        t = st.req.slo.tpot_ms
+        self._tpot_counts[t] = self._tpot_counts.get(t, 0) + 1
+        self._inv_tpot_sum += 1.0 / t
+        self._ctx_sum += st.mean_context
+        self._admitted += 1
+
+    def _leave_ledger(self, st: ReqState) -> None:
+        """An admitted ``st`` is gone (finished, cancelled, evicted): its share of the ledger."""
+        t = st.req.slo.tpot_ms
+        left = self._tpot_counts[t] - 1
+        if left:
+            self._tpot_counts[t] = left
+        else:
+            del self._tpot_counts[t]
+        self._inv_tpot_sum = max(self._inv_tpot_sum - 1.0 / t, 0.0) if self._tpot_counts else 0.0
+        self._ctx_sum = max(self._ctx_sum - st.mean_context, 0.0) if self._tpot_counts else 0.0
+        self._admitted -= 1
+
+    def _switch_unit(self, unit: PrefillUnit | None) -> list[ReqState]:
+        """The next step runs ``unit``: the members of the previous unit, if it is left unfinished,
+        are paused (returned, in order), and ``unit``'s paused members resume."""
+        paused: list[ReqState] = []
+        prev = self._running_unit
+        if prev is not None and prev is not unit and prev.ops_left > 0:
+            for st in prev.live():
+                if st.phase is Phase.PREFILLING:
+                    st.move(Phase.PREEMPTED)
+                    paused.append(st)
+        if unit is not None:
+            for st in unit.live():
+                if st.phase is Phase.PREEMPTED:
+                    st.move(Phase.PREFILLING)
+        self._running_unit = unit
+        return paused
