@@ -832,10 +832,20 @@ def metrics_app(app: GatewayApp) -> GatewayApp:
 class GatewayRunner:
     """A served :class:`GatewayApp`; :meth:`cleanup` drains and stops it."""
 
-    def __init__(self, app: GatewayApp, drain_timeout_s: float, max_body_bytes: int) -> None:
+    def __init__(self, app: GatewayApp, drain_timeout_s: float) -> None:
         self.app = app
         self.drain_timeout_s = drain_timeout_s
-        self.server = HttpServer(app.routes, error=_http_error, max_body_bytes=max_body_bytes)
+        gw = app.gateway
+        cfg = gw.config
+        self.server = HttpServer(
+            app.routes,
+            error=_http_error,
+            max_body_bytes=cfg.max_body_bytes,
+            head_timeout_s=cfg.head_timeout_s,
+            body_timeout_s=cfg.body_timeout_s,
+            max_connections=cfg.max_connections,
+            stats=gw.metrics.connections,
+        )
         self._started = False
 
     async def start(self, host: str, port: int, reuse_port: bool) -> int:
@@ -877,7 +887,7 @@ async def serve(
     worker processes that share one port. An aiohttp ``web.Application`` (tests' fake engines)
     is served by aiohttp."""
     if isinstance(app, GatewayApp):
-        runner = GatewayRunner(app, drain_timeout_s, app.gateway.config.max_body_bytes)
+        runner = GatewayRunner(app, drain_timeout_s)
         return runner, await runner.start(host, port, reuse_port)
     aio = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None

@@ -99,6 +99,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p = parser.add_argument_group("proxy")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=d.head_timeout_s,
+        metavar="S",
+        help="a request's whole head must arrive within this of its first byte, else 408 "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        metavar="S",
+        help="a request's whole body must arrive within this of its head, else 408 "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
+        help="open client connections per worker; more are answered 503 and closed "
+        "(default %(default)s)",
+    )
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S")
     p.add_argument(
         "--idle-timeout",
@@ -152,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         max_body_bytes=args.max_body_bytes,
+        head_timeout_s=args.head_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
         connect_timeout_s=args.connect_timeout,
         idle_timeout_s=args.idle_timeout,
         route_timeout_s=args.route_timeout,

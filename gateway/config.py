@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 MiB = 1024 * 1024
+# the gateway's own HTTP server (gateway.httpserver): a request's whole head, and its whole body,
+# must arrive within these of their first byte; open connections per worker are capped
+HEAD_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 300.0
+MAX_CONNECTIONS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 8 * MiB
+    head_timeout_s: float = HEAD_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS  # per worker; over it a connection gets 503
     connect_timeout_s: float = 2.0
     idle_timeout_s: float = 120.0  # no upstream byte for this long: give up (stream or not)
     route_timeout_s: float = 1.0  # a router that does not answer in time counts as unavailable

@@ -18,7 +18,14 @@ size limit, hand them to a coroutine, write whole or chunked answers. What this 
 * **Cancellation**: a client that disconnects cancels its handler's task (which closes the
   upstream connection, so the engine stops generating).
 * **Timeouts**: a connection with no request in progress and no byte for ``keepalive_s`` is
-  closed (one sweeper per server, not a timer per request).
+  closed. A request's whole head must arrive within ``head_timeout_s`` of its first byte, and
+  its whole body within ``body_timeout_s`` of the end of its head, else 408 and the connection
+  closed: a client that trickles a byte now and then cannot hold a connection. One sweeper per
+  server checks all of this, not a timer per request; a request that arrives in one read costs
+  nothing (its clock starts only when a head or body is left incomplete).
+* **Connection cap**: over ``max_connections`` open connections, a new one is answered 503 with
+  ``Retry-After`` and closed at once. ``ConnectionStats`` counts open, refused and timed-out
+  connections (the gateway exports them as metrics).
 * **Shutdown** (:meth:`HttpServer.shutdown`): stop listening, close idle connections, let
   requests in progress finish for up to the drain timeout (their connections close after the
   answer), then cancel what is left.
@@ -40,6 +47,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from urllib.parse import unquote, urlsplit
 
+from gateway.config import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_CONNECTIONS
 from gateway.upstream import ChunkedDecoder
 
 log = logging.getLogger("kvgate.gateway.http")
@@ -47,6 +55,7 @@ log = logging.getLogger("kvgate.gateway.http")
 MAX_HEAD_BYTES = 64 * 1024
 MAX_PIPELINED = 16  # complete requests queued behind the one being answered
 KEEPALIVE_S = 75.0
+LINGER_S = 1.0  # a connection refused mid-request is closed this long after its answer
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _REQUEST_LINE = re.compile(_TOKEN + rb" ([^\x00-\x20\x7f]+) HTTP/1\.([01])")
@@ -54,6 +63,19 @@ _FIELDS = re.compile(rb"(?:" + _TOKEN + rb":[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
 
 Handler = Callable[["Request"], Awaitable["Response | StreamResponse"]]
 ErrorFactory = Callable[[int, str], "Response"]
+
+
+class ConnectionStats:
+    """What a server's connection limits did (shared by the servers of one gateway, read on
+    scrape)."""
+
+    __slots__ = ("body_timeouts", "head_timeouts", "open", "refused")
+
+    def __init__(self) -> None:
+        self.open = 0  # connections open now
+        self.refused = 0  # connections answered 503 and closed: over the cap
+        self.head_timeouts = 0  # requests whose head did not arrive in time (408)
+        self.body_timeouts = 0  # requests whose body did not arrive in time (408)
 
 
 class HttpError(Exception):
@@ -434,6 +456,7 @@ class _ServerConn(asyncio.Protocol):
         "_read_paused",
         "_remaining",
         "_scan",
+        "_since",
         "_task",
         "closed",
         "server",
@@ -453,6 +476,7 @@ class _ServerConn(asyncio.Protocol):
         self._buf = b""  # bytes to parse now
         self._acc: bytearray | None = None  # an incomplete head, growing
         self._scan = 0  # where in _acc to look for the end of the head next
+        self._since = 0.0  # when the incomplete head (_acc) or body (_pending) began
         self._pending: Request | None = None  # a request whose body is still arriving
         self._remaining = 0
         self._chunks: ChunkedDecoder | None = None
@@ -468,15 +492,27 @@ class _ServerConn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._close_after = True
+            server.stats.refused += 1
+            answer = server.error(503, f"over {server.max_connections} open connections")
+            answer.headers.append(("Retry-After", "1"))
+            self.transport.write(answer.encode(False, True, False))
+            self._close_lingering()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
+        server.connections.add(self)
+        server.stats.open += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.server.connections.discard(self)
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.stats.open -= 1
         self._queue.clear()
         task = self._task
         if task is not None and not task.done():
@@ -516,6 +552,17 @@ class _ServerConn(asyncio.Protocol):
             log.exception("HTTP connection failed")
             self.transport.abort()
 
+    def _close_lingering(self) -> None:
+        """Close a connection whose client may still be sending (a refused request): FIN after
+        the answer, then read and drop for up to ``LINGER_S``. Closing with unread bytes would
+        send RST, which can destroy the answer before the client reads it."""
+        transport = self.transport
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.server.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
     def eof_received(self) -> bool:
         # A client that half-closes after its request is treated as gone (as aiohttp does).
         return False
@@ -553,6 +600,7 @@ class _ServerConn(asyncio.Protocol):
                 if len(buf) > server.max_head_bytes:
                     self._refuse(HttpError(431, "request head too large"))
                 else:  # wait for the rest of the head
+                    self._since = server.loop.time()
                     self._acc = bytearray(buf)
                     self._scan = max(0, len(buf) - 3)
                     self._buf = b""
@@ -566,6 +614,7 @@ class _ServerConn(asyncio.Protocol):
             rest = buf[end + 4 :]
             self._buf = b""
             if chunked:
+                self._since = server.loop.time()
                 self._pending = req
                 self._chunks = ChunkedDecoder()
                 self._body_parts = []
@@ -586,6 +635,7 @@ class _ServerConn(asyncio.Protocol):
                 self._buf = rest[length:]
                 self._enqueue(req)
                 continue
+            self._since = server.loop.time()
             self._pending = req
             self._remaining = length - len(rest)
             self._body_parts = [rest] if rest else []
@@ -637,6 +687,25 @@ class _ServerConn(asyncio.Protocol):
         self._buf = tail
         self._enqueue(req)
         self._parse()
+
+    def check_deadlines(self, now: float) -> None:
+        """Refuse (408) a request whose head or body is late; the sweeper calls this. Not while
+        reading is paused: then the wait is the server's, not the client's."""
+        if self._read_paused or self._close_after:
+            return
+        server = self.server
+        if self._acc is not None and now - self._since > server.head_timeout_s:
+            self._acc = None
+            server.stats.head_timeouts += 1
+            late = f"request head not received in {server.head_timeout_s:g} s"
+            self._refuse(HttpError(408, late))
+        elif self._pending is not None and now - self._since > server.body_timeout_s:
+            self._pending = None
+            self._chunks = None
+            self._body_parts = []
+            server.stats.body_timeouts += 1
+            late = f"request body not received in {server.body_timeout_s:g} s"
+            self._refuse(HttpError(408, late))
 
     def _refuse(self, exc: HttpError) -> None:
         """A request the server cannot take: answer it (after those queued) and close."""
@@ -712,7 +781,10 @@ class _ServerConn(asyncio.Protocol):
         if self.closed:
             return
         if not keep:
-            self.transport.close()
+            if self._close_after:
+                self._close_lingering()
+            else:
+                self.transport.close()
             return
         if self._queue:
             nxt = self._queue.popleft()
@@ -742,12 +814,22 @@ class HttpServer:
         max_body_bytes: int,
         max_head_bytes: int = MAX_HEAD_BYTES,
         keepalive_s: float = KEEPALIVE_S,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        stats: ConnectionStats | None = None,
     ) -> None:
+        if min(keepalive_s, head_timeout_s, body_timeout_s) <= 0 or max_connections < 1:
+            raise ValueError("HTTP server timeouts must be > 0 and max_connections >= 1")
         self.routes = routes
         self.error = error
         self.max_body_bytes = max_body_bytes
         self.max_head_bytes = max_head_bytes
         self.keepalive_s = keepalive_s
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_connections = max_connections
+        self.stats = stats if stats is not None else ConnectionStats()
         self.connections: set[_ServerConn] = set()
         self.closing = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
@@ -786,12 +868,16 @@ class HttpServer:
             ev.set()
 
     async def _sweep(self) -> None:
-        """Close connections that have been idle (no request in progress, no byte) too long."""
-        tick = max(0.05, min(1.0, self.keepalive_s / 4))
+        """Close connections that have been idle (no request in progress, no byte) too long;
+        refuse requests whose head or body is late."""
+        shortest = min(self.keepalive_s, self.head_timeout_s, self.body_timeout_s)
+        tick = max(0.05, min(1.0, shortest / 4))
         limit = self.keepalive_s / tick
         while True:
             await asyncio.sleep(tick)
+            now = self.loop.time()
             for conn in list(self.connections):
+                conn.check_deadlines(now)
                 if conn.busy:
                     continue
                 conn.ticks += 1

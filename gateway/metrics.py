@@ -4,9 +4,13 @@ ending in ``_total``) so that ``promtool check metrics`` accepts the exposition.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.httpserver import ConnectionStats
 from gateway.pool import CIRCUIT_CODES, EnginePool
 from kvgate.fast_metrics import FastCollector, FastCounter, FastHistogram
 
@@ -28,6 +32,33 @@ LATENCY_BUCKETS = (
     60.0,
 )
 BYTES_BUCKETS = (0, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+
+
+class ConnectionCollector:
+    """The HTTP server's connection limits at work (``ConnectionStats``, read on scrape)."""
+
+    def __init__(self, stats: ConnectionStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.stats
+        yield GaugeMetricFamily(
+            "kvgate_gateway_open_connections", "Client connections open now.", value=st.open
+        )
+        yield CounterMetricFamily(
+            "kvgate_gateway_connections_refused",
+            "Client connections answered 503 and closed at once: over --max-connections.",
+            value=st.refused,
+        )
+        timeouts = CounterMetricFamily(
+            "kvgate_gateway_request_timeouts",
+            "Requests answered 408 and their connection closed: the head (--head-timeout) or "
+            "the body (--body-timeout) did not arrive in time.",
+            labels=["part"],
+        )
+        timeouts.add_metric(["head"], st.head_timeouts)
+        timeouts.add_metric(["body"], st.body_timeouts)
+        yield timeouts
 
 
 class GatewayMetrics:
@@ -147,6 +178,8 @@ class GatewayMetrics:
             "Streaming responses being relayed now.",
             registry=r,
         )
+        self.connections = ConnectionStats()  # the HTTP server counts into this
+        r.register(ConnectionCollector(self.connections))
         self.known_engines: set[str] = set()
         self._children: dict[tuple, object] = {}
 

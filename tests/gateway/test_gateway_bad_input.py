@@ -3,13 +3,14 @@ and the /metrics exposition passes ``promtool check metrics`` (or prometheus_cli
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 
 import aiohttp
 import orjson
 import pytest
-from gw_harness import MODEL, gateway_stack
+from gw_harness import MODEL, gateway_stack, wait_until
 
 from gateway.config import GatewayConfig
 
@@ -124,6 +125,9 @@ async def test_metrics_pass_promtool_or_parser() -> None:
         "kvgate_gateway_engine_up",
         "kvgate_gateway_router_degraded",
         "kvgate_gateway_broker_lag_seconds",
+        "kvgate_gateway_open_connections",
+        "kvgate_gateway_connections_refused_total",
+        'kvgate_gateway_request_timeouts_total{part="head"}',
     ):
         assert name in text, name
     promtool = shutil.which("promtool")
@@ -147,3 +151,26 @@ async def test_content_type_is_not_required_to_be_json(ctype: str) -> None:
         raw = orjson.dumps({"model": MODEL, "prompt": "x"})
         async with s.post(st.url + C, data=raw, headers={"Content-Type": ctype}) as r:
             assert r.status == 200
+
+
+async def test_connection_limits_through_the_gateway() -> None:
+    """The gateway's config reaches its HTTP server: over --max-connections a client gets 503,
+    a trickled head gets 408 after --head-timeout, and /metrics counts both."""
+    cfg = GatewayConfig(max_connections=1, head_timeout_s=0.3, health_interval_s=60)
+    async with gateway_stack(1, cfg) as st:
+        port = int(st.url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nX-Slow: ")  # holds the only slot, unfinished
+        await writer.drain()
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        refused = await asyncio.wait_for(r2.read(-1), 5)
+        w2.close()
+        assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused
+        late = await asyncio.wait_for(reader.read(-1), 5)  # 408 once the head is 0.3 s late
+        writer.close()
+        assert late.startswith(b"HTTP/1.1 408")
+        await wait_until(lambda: st.gateway.metrics.connections.open == 0)
+        async with aiohttp.ClientSession() as s, s.get(st.url + "/metrics") as r:
+            text = await r.text()
+    assert "kvgate_gateway_connections_refused_total 1.0" in text
+    assert 'kvgate_gateway_request_timeouts_total{part="head"} 1.0' in text

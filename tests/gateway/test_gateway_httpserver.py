@@ -6,6 +6,7 @@ loop and on uvloop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -390,6 +391,97 @@ async def _head_sent_a_byte_at_a_time() -> None:
         writer.close()
 
 
+async def _trickle(writer: asyncio.StreamWriter, every_s: float) -> None:
+    """One byte every ``every_s`` until the connection goes: each byte resets the idle clock."""
+    with contextlib.suppress(ConnectionError, OSError):
+        while not writer.is_closing():
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(every_s)
+
+
+async def _answer_to_a_trickle(port: int, start: bytes) -> tuple[bytes, float]:
+    """Send ``start``, then trickle; (everything received until the server closed, seconds)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.monotonic()
+    writer.write(start)
+    trickle = asyncio.create_task(_trickle(writer, 0.05))
+    try:
+        raw = await asyncio.wait_for(reader.read(-1), 10)
+    finally:
+        trickle.cancel()
+        writer.close()
+    return raw, time.monotonic() - t0
+
+
+async def _head_deadline() -> None:
+    """A head that trickles in (a byte every 50 ms: never idle) gets 408 once the whole head
+    has taken head_timeout_s; a slow head within the deadline is served."""
+    async with server(head_timeout_s=0.4, keepalive_s=30) as (_app, srv, port):
+        raw, took = await _answer_to_a_trickle(port, b"GET /hello HTTP/1.1\r\nX-Slow: ")
+        status, _, body = responses(raw)[0]
+        assert status == 408 and "head" in orjson.loads(body)["error"]["message"]
+        assert 0.4 <= took < 3.0
+        assert (srv.stats.head_timeouts, srv.stats.body_timeouts) == (1, 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        whole = req("GET", "/hello", extra=b"Connection: close\r\n")
+        writer.write(whole[:10])
+        await asyncio.sleep(0.2)
+        writer.write(whole[10:])
+        assert responses(await asyncio.wait_for(reader.read(-1), 5))[0][0] == 200
+        writer.close()
+        assert srv.stats.head_timeouts == 1
+
+
+async def _body_deadline() -> None:
+    """A body (Content-Length or chunked) that trickles in gets 408 once it has taken
+    body_timeout_s since its head; the handler never runs; a slow body within it is served."""
+    async with server(body_timeout_s=0.4, keepalive_s=30) as (app, srv, port):
+        for start in (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\nfirst",
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n",
+        ):
+            raw, took = await _answer_to_a_trickle(port, start)
+            status, _, body = responses(raw)[0]
+            assert status == 408 and "body" in orjson.loads(body)["error"]["message"]
+            assert 0.4 <= took < 3.0
+        assert (srv.stats.head_timeouts, srv.stats.body_timeouts) == (0, 2)
+        assert app.bodies == []
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(req("POST", "/echo", b"0123456789", b"Connection: close\r\n")[:-5])
+        await asyncio.sleep(0.2)
+        writer.write(b"56789")
+        assert responses(await asyncio.wait_for(reader.read(-1), 5))[0][2] == b"0123456789"
+        writer.close()
+
+
+async def _connection_cap() -> None:
+    """Over max_connections, a new connection is answered 503 with Retry-After and closed at
+    once (and counted); once one closes, a new one is served."""
+    async with server(max_connections=2) as (_app, srv, port):
+        held = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(req("GET", "/hello"))
+            await asyncio.wait_for(reader.readuntil(b'world"}'), 5)
+            held.append((reader, writer))
+        assert srv.stats.open == 2
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(req("GET", "/hello"))
+        status, headers, body = responses(await asyncio.wait_for(reader.read(-1), 5))[0]
+        writer.close()
+        assert status == 503 and headers["retry-after"] == "1"
+        assert "connections" in orjson.loads(body)["error"]["message"]
+        assert (srv.stats.refused, srv.stats.open) == (1, 2)
+        held[0][1].close()
+        deadline = time.monotonic() + 5
+        while srv.stats.open > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        raw = await exchange(port, req("GET", "/hello", extra=b"Connection: close\r\n"))
+        assert responses(raw)[0][0] == 200 and srv.stats.refused == 1
+        held[1][1].close()
+
+
 SCENARIOS: dict[str, Callable[[], Awaitable[None]]] = {
     f.__name__.lstrip("_"): f
     for f in (
@@ -401,6 +493,9 @@ SCENARIOS: dict[str, Callable[[], Awaitable[None]]] = {
         _graceful_shutdown,
         _slow_client_gets_flow_control,
         _head_sent_a_byte_at_a_time,
+        _head_deadline,
+        _body_deadline,
+        _connection_cap,
     )
 }
 
