@@ -132,11 +132,9 @@ class EngineCore(SchedBook):
         self.finished = 0
         self.rejected = 0
         self.busy_s = 0.0  # time spent in steps (completed ones): the GPU's busy time
-        # what routers fit this engine's real speed from (broker.events FirstToken and
-        # LoadHeartbeat): per request in prefill, [execution ms, batch tokens] of its finished
-        # prefill units; decode steps since the last heartbeat: [count, ms, batch, context]
+        # what routers fit this engine's real speed from (broker.events FirstToken): per request
+        # in prefill, [execution ms, batch tokens] of its finished prefill units
         self._prefill_work: dict[str, list[float]] = {}
-        self._decode_stats = [0, 0.0, 0.0, 0.0]
 
     # ------------------------------------------------------------------ driving API
 
@@ -260,24 +258,11 @@ class EngineCore(SchedBook):
     def heartbeat(self, url: str, models: tuple[str, ...]) -> LoadHeartbeat:
         """The engine's load now; its decode-step figures cover the steps since the previous
         heartbeat (so call it once per heartbeat sent)."""
-        queued = sum(st.prefill_tokens for st in self.waiting) + sum(
-            st.remaining_prefill for st in self.prefilling
-        )
-        steps, ms, batch, ctx = self._decode_stats
-        self._decode_stats = [0, 0.0, 0.0, 0.0]  # each heartbeat reports the steps since
-        return LoadHeartbeat(
-            waiting=len(self.waiting),
-            running=self._admitted,
-            queued_prefill_tokens=queued,
+        return self._load_heartbeat(
+            url,
+            models,
             kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
             kv_blocks_total=self.profile.kv_blocks,
-            vbs=self.vbs,
-            profile=self.profile.name,
-            url=url,
-            models=models,
-            decode_step_ms=ms / steps if steps else None,
-            decode_batch=batch / steps if steps else None,
-            decode_context=ctx / steps if steps else None,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -366,11 +351,7 @@ class EngineCore(SchedBook):
     def _complete(self, step: _Step, out: list[Output]) -> None:
         self.busy_s += step.end - step.start
         if step.decode:
-            ds = self._decode_stats
-            ds[0] += 1
-            ds[1] += step.decode_ms
-            ds[2] += len(step.decode)
-            ds[3] += step.mean_ctx
+            self._note_decode_step(step.decode_ms, len(step.decode), step.mean_ctx)
         stream = self.config.stream_outputs
         t_dec = step.end  # a step's results are released together when it ends
         for st in step.decode:

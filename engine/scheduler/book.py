@@ -18,6 +18,7 @@ What differs stays in the subclasses: where KV memory lives and whether a reques
 
 from __future__ import annotations
 
+from broker.events import LoadHeartbeat
 from engine.costs import cached_predictor, prefill_batch_ms
 from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig
 from kvgate.cost_model import CostProfile
@@ -39,6 +40,9 @@ class SchedBook:
         self._ctx_sum = 0.0
         self._admitted = 0
         self._running_unit: PrefillUnit | None = None  # the unit the last step ran
+        # decode steps since the last heartbeat: [count, ms, batch, mean context] (what routers
+        # fit the engine's real decode speed from: broker.events.LoadHeartbeat)
+        self._decode_stats = [0, 0.0, 0.0, 0.0]
 
     # ------------------------------------------------------------------ what policies read
 
@@ -73,6 +77,44 @@ class SchedBook:
         for st, _, _ in full:
             st.unit = unit
         return unit
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill: every waiting request's, and what admitted ones have
+        left."""
+        return sum(st.prefill_tokens for st in self.waiting) + sum(
+            st.remaining_prefill for st in self.prefilling
+        )
+
+    # ------------------------------------------------------------------ load reports
+
+    def _note_decode_step(self, ms: float, batch: int, mean_context: float) -> None:
+        ds = self._decode_stats
+        ds[0] += 1
+        ds[1] += ms
+        ds[2] += batch
+        ds[3] += mean_context
+
+    def _load_heartbeat(
+        self, url: str, models: tuple[str, ...], *, kv_blocks_used: int, kv_blocks_total: int
+    ) -> LoadHeartbeat:
+        """The load now; the decode-step figures cover the steps since the previous heartbeat."""
+        queued = self.queued_prefill_tokens()
+        steps, ms, batch, ctx = self._decode_stats
+        self._decode_stats = [0, 0.0, 0.0, 0.0]  # each heartbeat reports the steps since
+        return LoadHeartbeat(
+            waiting=len(self.waiting),
+            running=self._admitted,
+            queued_prefill_tokens=queued,
+            kv_blocks_used=kv_blocks_used,
+            kv_blocks_total=kv_blocks_total,
+            vbs=self.vbs,
+            profile=self.profile.name,
+            url=url,
+            models=models,
+            decode_step_ms=ms / steps if steps else None,
+            decode_batch=batch / steps if steps else None,
+            decode_context=ctx / steps if steps else None,
+        )
 
     # ------------------------------------------------------------------ bookkeeping
 
