@@ -54,7 +54,7 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from kvgate.logs import LogOnce, request_id_var
+from kvgate.logs import AccessLog, LogOnce, request_id_var
 from kvgate.openai_request import ChatTemplate, Endpoint, RequestError, parse_request
 from kvgate.slo import Slo
 from router.api import Decision, EngineInfo, Outcome, RouteRequest, RoutingService
@@ -66,6 +66,68 @@ ROUTE_HEADER = "x-kvgate-route"
 WORKER_HEADER = "x-kvgate-worker"  # the gateway process's pid, on debug responses
 DEBUG_HEADER = "x-kvgate-debug"
 FALLBACK_POLICY = "gateway_fallback"
+
+
+class _Access:
+    """What the access log says of one request, filled in as the request goes (attribute
+    sets only: the line is built once, at the end, and only when the log is on)."""
+
+    __slots__ = (
+        "detail",
+        "engine",
+        "error",
+        "matched_bytes",
+        "model",
+        "policy",
+        "reason",
+        "retries",
+        "slo",
+        "stream",
+        "tried",
+        "ttft_s",
+        "upstream_status",
+    )
+
+    def __init__(self) -> None:
+        self.model: str | None = None
+        self.stream: bool | None = None
+        self.slo: str | None = None
+        self.engine: str | None = None
+        self.policy: str | None = None
+        self.reason: str | None = None
+        self.detail = ""
+        self.matched_bytes = 0
+        self.retries = 0
+        self.tried: set[str] | None = None
+        self.upstream_status: int | None = None
+        self.error: str | None = None
+        self.ttft_s: float | None = None
+
+    def fields(self, path: str, status: int, duration_s: float) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "path": path,
+            "status": status,
+            "model": self.model,
+            "stream": self.stream,
+            "slo": self.slo,
+            "engine": self.engine,
+            "policy": self.policy,
+            "reason": self.reason,
+            "matched_bytes": self.matched_bytes,
+            "retries": self.retries,
+            "upstream_status": self.upstream_status,
+            "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1e3, 3),
+            "duration_ms": round(duration_s * 1e3, 3),
+        }
+        if self.detail:
+            out["detail"] = self.detail
+        if self.tried:
+            out["failed_engines"] = sorted(self.tried)
+        if self.error is not None:
+            out["upstream_error"] = self.error
+        return out
+
+
 # Hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp recomputes: never copied across.
 _HOP = frozenset(
     {
@@ -125,6 +187,7 @@ class Gateway:
         self.upstream: UpstreamPool | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.shutting_down = False
+        self.access_log = AccessLog() if config.access_log else None
         self.router_failed_at: float | None = None  # last time route()/engines() failed
         self.broker_ok = True
         self.degraded = False
@@ -379,12 +442,13 @@ class Gateway:
         rid = request.headers.get(REQUEST_ID) or f"{self._ids.getrandbits(128):032x}"
         token = request_id_var.set(rid)
         status = 499  # a cancelled handler: the client went away
+        access = _Access()
         busy = self.busy_poll
         if busy is not None:
             busy.enter()
         try:
             try:
-                resp = await self._proxy(request, route, rid, start)
+                resp = await self._proxy(request, route, rid, start, access)
             except RequestError as exc:
                 resp = from_request_error(exc, {REQUEST_ID: rid})
             status = resp.status
@@ -394,19 +458,13 @@ class Gateway:
                 busy.leave()
             m = self.metrics
             m.child(m.requests, route.path, str(status)).inc()
-            if self.config.access_log and log.isEnabledFor(logging.INFO):
-                log.info(
-                    "request",
-                    extra={
-                        "path": route.path,
-                        "status": status,
-                        "duration_ms": round((time.perf_counter() - start) * 1e3, 3),
-                    },
-                )
+            alog = self.access_log
+            if alog is not None and alog.enabled():
+                alog.write(access.fields(route.path, status, time.perf_counter() - start))
             request_id_var.reset(token)
 
     async def _proxy(
-        self, request: Request, route: _Route, rid: str, start: float
+        self, request: Request, route: _Route, rid: str, start: float, access: _Access
     ) -> Response | StreamResponse:
         raw, body = self._read_json(request)
         model = body.get("model") if isinstance(body, dict) else None
@@ -416,6 +474,9 @@ class Gateway:
         parsed = parse_request(
             route.endpoint, body, request.headers, template=template, default_slo=self.default_slo
         )
+        access.model = parsed.model
+        access.stream = parsed.stream
+        access.slo = parsed.slo.name
         if not self.pool.serves(parsed.model):
             if time.monotonic() - self.last_refresh > 0.25:
                 await self.refresh_engines()
@@ -454,6 +515,12 @@ class Gateway:
             )
             m.route_seconds.observe(time.perf_counter() - t_route)
             m.child(m.decisions, decision.policy, decision.reason).inc()
+            access.retries = attempt
+            access.engine = decision.engine_id
+            access.policy = decision.policy
+            access.reason = decision.reason
+            access.detail = decision.detail
+            access.matched_bytes = decision.matched_bytes
             if decision.shed:
                 retry_after = max(1, math.ceil(decision.retry_after_s or 1.0))
                 if tried:  # every engine left has failed this request
@@ -487,10 +554,12 @@ class Gateway:
                 debug,
                 start,
                 attempt == cfg.max_retries,
+                access,
             )
             if result is not None:
                 return result
             tried.add(engine_id)
+            access.tried = tried
             self.metrics.retries.labels("upstream_failure").inc()
         raise AssertionError("unreachable: the last attempt always answers")
 
@@ -534,13 +603,16 @@ class Gateway:
         debug: bool,
         start: float,
         last: bool,
+        access: _Access,
     ) -> Response | StreamResponse | None:
         """One attempt on one engine: the response, or None to retry on another engine."""
         assert self.upstream is not None
         self.pool.started(engine_id, time.monotonic())
+        access.upstream_status = None
         try:
             target = self.upstream.target(url, route.path)
         except ValueError as exc:  # an engine URL the gateway cannot use (from the router)
+            access.error = "connect"
             self._upstream_failed(engine_id, rid, "connect", repr(exc))
             if last:
                 return error_response(
@@ -557,6 +629,7 @@ class Gateway:
             raise
         except UpstreamError as exc:
             kind = "connect" if isinstance(exc, UpstreamConnectError) else "read"
+            access.error = kind
             self._upstream_failed(engine_id, rid, kind, str(exc))
             log.warning("engine %s failed: %s", engine_id, exc, extra={"engine": engine_id})
             if last:
@@ -568,20 +641,22 @@ class Gateway:
                 )
             return None
         try:
-            status = upstream.status
+            status = access.upstream_status = upstream.status
             if status >= 500 and not last:
+                access.error = f"http_{status}"
                 self._upstream_failed(engine_id, rid, f"http_{status}", "5xx")
                 return None
             out_headers = self._response_headers(upstream, rid_b, decision, debug)
             if upstream.is_event_stream:
                 return await self._relay_stream(
-                    request, route, upstream, out_headers, engine_id, rid, start
+                    request, route, upstream, out_headers, engine_id, rid, start, access
                 )
             data = await upstream.read()
         except asyncio.CancelledError:
             self._client_gone(engine_id, rid)
             raise
         except UpstreamError as exc:
+            access.error = "read"
             self._upstream_failed(engine_id, rid, "read", str(exc))
             if last:
                 return error_response(
@@ -612,6 +687,7 @@ class Gateway:
         engine_id: str,
         rid: str,
         start: float,
+        access: _Access,
     ) -> StreamResponse:
         """Relay SSE bytes as they arrive, with no buffering and no hop through this task: the
         upstream connection hands each piece to ``forward`` from its ``data_received`` (push
@@ -629,7 +705,8 @@ class Gateway:
             nonlocal first
             if first and piece:
                 first = False
-                ttft.observe(time.perf_counter() - start)
+                access.ttft_s = time.perf_counter() - start
+                ttft.observe(access.ttft_s)
             try:
                 return resp.send(piece, last)
             except ConnectionResetError:  # gone: the server cancels this task, which says so
@@ -643,6 +720,7 @@ class Gateway:
                     await upstream.relayed()
                 except UpstreamError as exc:  # the engine broke or went idle mid-stream
                     outcome = "failed"
+                    access.error = "stream"
                     self._upstream_failed(engine_id, rid, "stream", str(exc))
                     log.warning(
                         "stream from %s broke: %s", engine_id, exc, extra={"engine": engine_id}

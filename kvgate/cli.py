@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bridge": ("engine_reporter.vllm.cli", "bridge a real engine's KV events into kvgate"),
     "up": ("deploy.fleet", "run the distributed topology locally as separate processes"),
     "native": ("kvgate.native", "build, check or remove the optional compiled router (mypyc)"),
+    "logs": ("kvgate.logs", "summarise an access log: per-engine shares, policies and reasons"),
 }
 
 
