@@ -15,6 +15,13 @@ registry and picked up while running. Per engine:
 
 A broker outage is ridden out with exponential backoff; positions live in memory, so reading
 continues exactly where it stopped and nothing is lost or applied twice.
+
+**Caught up** (:attr:`Consumer.caught_up`, what a router's readiness rests on): the registry
+has been read, every live engine's snapshot is loaded (or it has none), and one read of the
+streams returned no full batch, so the replay reached the end of every stream. It stays true
+after that (a later gap is a resync, not a restart). An engine whose snapshot never comes does
+not hold it back for ever: after ``catch_up_timeout_s`` the consumer counts as caught up with
+what it has and logs the engines still pending.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class Consumer:
         snapshot_request_s: float = 1.0,
         quarantine_s: float = 30.0,
         backoff_s: tuple[float, float] = (0.05, 2.0),
+        catch_up_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.broker = broker
@@ -95,6 +103,10 @@ class Consumer:
         self.snapshot_poll_s = snapshot_poll_s
         self.snapshot_request_s = snapshot_request_s
         self.quarantine_s = quarantine_s
+        self.catch_up_timeout_s = catch_up_timeout_s
+        self.caught_up = False
+        self._discovered = False
+        self._catch_up_deadline: float | None = None  # set by the first round
         self._backoff = backoff_s
         self._clock = clock
         self.stats = ConsumerStats()
@@ -165,6 +177,9 @@ class Consumer:
         """Discover engines and load snapshots when due, then read and apply one round of
         entries (waiting up to ``block_ms`` for some). Returns the number of entries read."""
         now = time.monotonic()
+        if self._catch_up_deadline is None:
+            self._catch_up_deadline = now + self.catch_up_timeout_s
+        deadline = self._catch_up_deadline
         if now >= self._next_discover:
             await self.discover()
             self._next_discover = now + self.discover_interval_s
@@ -176,6 +191,12 @@ class Consumer:
             for e, c in self.cursors.items()
             if c.state is State.ACTIVE and e in self._live and e not in self._quarantined
         }
+        pending = not self.caught_up and self._pending_engines()
+        if not self.caught_up and self._discovered:
+            if not pending and not positions:
+                self._set_caught_up()  # no engine to replay
+            elif pending and now >= deadline:
+                self._set_caught_up()  # snapshots that do not come do not hold it back
         if not positions:
             wait = min((block_ms or 0) / 1000, max(0.0, self._next_discover - time.monotonic()))
             if any(c.state is not State.ACTIVE for c in self.cursors.values()):
@@ -189,16 +210,48 @@ class Consumer:
             return 0
         entries = 0
         gaps = False
+        full = False
         for engine_id, batch in result:
             entries += len(batch)
+            full |= len(batch) >= self.count
             gaps |= self._ingest(engine_id, batch)
         if gaps:
             await self._load_pending_snapshots()
+        if not self.caught_up:
+            if not pending and not full and not gaps:
+                self._set_caught_up()  # this read reached the end of every stream
+            elif time.monotonic() >= deadline:
+                self._set_caught_up()
         return entries
+
+    def _pending_engines(self) -> list[str]:
+        """Live engines whose snapshot is not loaded yet (nothing to read for them)."""
+        return sorted(
+            e
+            for e, c in self.cursors.items()
+            if c.state is not State.ACTIVE and e in self._live and e not in self._quarantined
+        )
+
+    def _set_caught_up(self) -> None:
+        self.caught_up = True
+        pending = self._pending_engines()
+        if pending:
+            log.warning(
+                "consumer: caught up after %.0f s without the snapshots of %s",
+                self.catch_up_timeout_s,
+                ", ".join(pending),
+            )
+        else:
+            log.info(
+                "consumer: caught up with %d engine streams (%d entries replayed)",
+                len(self.cursors),
+                self.stats.entries,
+            )
 
     async def discover(self) -> None:
         """Refresh the set of live engines and start following new ones."""
         self._live = set(await self.broker.engines())
+        self._discovered = True
         now = time.monotonic()
         for engine_id, until in list(self._quarantined.items()):
             if now >= until:

@@ -119,7 +119,12 @@ def plan_fleet(config: FleetConfig, broker_url: str, ports: Iterator[int]) -> li
     ]
     if config.policy:
         argv += ["--policy", config.policy]
-    specs.append(ProcessSpec("router", "router", (*argv, *config.router_args), router_url))
+    # Up once caught up with the broker and knowing an engine (engines start first).
+    specs.append(
+        ProcessSpec(
+            "router", "router", (*argv, *config.router_args), router_url, ready_path="/ready"
+        )
+    )
 
     for i in range(config.gateways):
         port = next(ports)

@@ -66,6 +66,7 @@ ROUTE_HEADER = "x-kvgate-route"
 WORKER_HEADER = "x-kvgate-worker"  # the gateway process's pid, on debug responses
 DEBUG_HEADER = "x-kvgate-debug"
 FALLBACK_POLICY = "gateway_fallback"
+READY_POLL_S = 0.02  # how often a gateway that is not ready yet checks again
 
 
 class _Access:
@@ -188,6 +189,12 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self.shutting_down = False
         self.access_log = AccessLog() if config.access_log else None
+        # Ready (latched): the routing service says it is (an embedded router has caught up
+        # with its broker and knows an engine; a remote one answers /ready), and an engine is
+        # usable. Until then requests wait for it (``ready_wait_s``), then get 503.
+        self.ready_at: float | None = None
+        self._ready_event = asyncio.Event()
+        self._routing_ready: Callable[[], Awaitable[bool]] | None = getattr(routing, "ready", None)
         self.router_failed_at: float | None = None  # last time route()/engines() failed
         self.broker_ok = True
         self.degraded = False
@@ -344,6 +351,7 @@ class Gateway:
         await self.refresh_engines()
         await self.check_health()
         self._tasks = [
+            asyncio.create_task(self._become_ready()),
             asyncio.create_task(self._every(self.config.refresh_interval_s, self.refresh_engines)),
             asyncio.create_task(self._every(self.config.health_interval_s, self.check_health)),
             asyncio.create_task(self._report_loop()),
@@ -359,6 +367,36 @@ class Gateway:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.upstream is not None:
             await self.upstream.close()
+
+    async def _become_ready(self) -> None:
+        """Check readiness until it holds, then latch it and release the waiting requests."""
+        while self.ready_at is None:
+            try:
+                if await self._check_ready():
+                    return
+            except Exception:  # a background job must never die
+                log.exception("readiness check failed")
+            await asyncio.sleep(READY_POLL_S)
+
+    async def _check_ready(self) -> bool:
+        probe = self._routing_ready
+        if probe is not None and not await probe():
+            return False
+        await self.refresh_engines()  # the engines the router knows now, not a second ago
+        usable = len(self.pool.usable(None, time.monotonic()))
+        if not usable:
+            return False
+        self.ready_at = time.monotonic()
+        self._ready_event.set()
+        log.info("gateway ready: routing caught up, %d usable engines", usable)
+        return True
+
+    async def _wait_ready(self) -> bool:
+        """Wait up to ``ready_wait_s`` for readiness (a request that came too early)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.ready_wait_s):
+                await self._ready_event.wait()
+        return self.ready_at is not None
 
     def on_shutdown(self) -> None:
         """Stop advertising readiness; the server then lets open streams finish."""
@@ -477,6 +515,15 @@ class Gateway:
         access.model = parsed.model
         access.stream = parsed.stream
         access.slo = parsed.slo.name
+        if self.ready_at is None and not await self._wait_ready():
+            access.detail = "not ready"
+            return error_response(
+                503,
+                "the gateway is not ready yet: its router is catching up with the broker or "
+                "knows no engine",
+                code="not_ready",
+                headers={REQUEST_ID: rid, "Retry-After": "1"},
+            )
         if not self.pool.serves(parsed.model):
             if time.monotonic() - self.last_refresh > 0.25:
                 await self.refresh_engines()
@@ -768,14 +815,17 @@ class Gateway:
 
     async def ready(self, request: Request) -> Response:
         usable = len(self.pool.usable(None, time.monotonic()))
-        ready = usable > 0 and not self.shutting_down
+        routing_ready = self.ready_at is not None
+        ready = routing_ready and usable > 0 and not self.shutting_down
         body = {
             "ready": ready,
+            "routing_ready": routing_ready,
             "usable_engines": usable,
             "degraded": self.degraded,
             "shutting_down": self.shutting_down,
         }
-        return json_response(orjson.dumps(body), 200 if ready else 503)
+        headers = () if ready else (("Retry-After", "1"),)
+        return json_response(orjson.dumps(body), 200 if ready else 503, headers)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         self.metrics.refresh_engines(self.pool, time.monotonic())

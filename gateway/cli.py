@@ -132,6 +132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="give up on an upstream that sends no byte for this long (default %(default)s)",
     )
     p.add_argument("--route-timeout", type=float, default=d.route_timeout_s, metavar="S")
+    p.add_argument(
+        "--ready-wait",
+        type=float,
+        default=d.ready_wait_s,
+        metavar="S",
+        help="before the gateway is ready (its router caught up with the broker, an engine "
+        "known), a request waits this long for it, then gets 503 (default %(default)s)",
+    )
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--health-interval", type=float, default=d.health_interval_s, metavar="S")
     p.add_argument(
@@ -185,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_retries=max(0, args.max_retries),
         health_interval_s=args.health_interval,
         drain_timeout_s=args.drain_timeout,
+        ready_wait_s=args.ready_wait,
         debug_header=args.debug_route,
         busy_poll=args.busy_poll,
         admin_token=args.admin_token or None,

@@ -54,6 +54,9 @@ class GatewayConfig:
     health_timeout_s: float = 1.0
     refresh_interval_s: float = 1.0  # how often the router's engine list is re-read
     drain_timeout_s: float = 30.0  # graceful shutdown: how long open streams may finish
+    # before the gateway is ready (its router caught up, an engine known) a request waits
+    # this long for it, then gets 503 with Retry-After
+    ready_wait_s: float = 5.0
     debug_header: bool = False  # always add x-kvgate-route (else only on x-kvgate-debug: 1)
     admin_token: str | None = None
     access_log: bool = True

@@ -80,6 +80,15 @@ class RemoteRouter:
         body = {"request_id": request_id, "engine_id": engine_id, "outcome": outcome}
         await self._call("POST", "/report", body, self.report_timeout)
 
+    async def ready(self) -> bool:
+        """Whether the router answers ``GET /ready`` with 200 (caught up with its broker and
+        knowing a live engine); False while it warms up or cannot be reached."""
+        try:
+            await self._call("GET", "/ready", None, self.report_timeout)
+        except RouterUnavailable:
+            return False
+        return True
+
     async def engines(self) -> list[EngineInfo]:
         body = await self._call("GET", "/engines", None, self.timeout)
         if not isinstance(body, list):

@@ -6,16 +6,25 @@ wall-clock time (the consumer's clock, so broker lag is measured against engine 
 A restarted router or a second replica rebuilds its state the same way: the consumer loads each
 engine's snapshot and replays the stream after it.
 
+**Ready** (:meth:`EmbeddedRouter.ready`) once the consumer has caught up with the broker
+(snapshots loaded, streams replayed to their end: ``Consumer.caught_up``) and the router knows
+at least one live engine; it stays ready after that (a later outage is the degraded mode's
+business). Before, ``POST /route`` waits up to ``READY_WAIT_S`` for it, then answers 503 with
+``Retry-After``, and ``GET /ready`` answers 503: never a decision made on a half-rebuilt state.
+
 HTTP API (JSON; shapes in :mod:`router.wire`; bad input -> 400 ``{"error": {...}}``):
 
 * ``POST /route``: a RouteRequest with the key base64-encoded in ``key_b64`` -> a Decision;
 * ``POST /report``: ``{"request_id", "engine_id", "outcome"}`` -> ``{"released": bool}``;
-* ``GET /engines``, ``GET /state``, ``GET /metrics`` (Prometheus), ``GET /health``;
+* ``GET /engines``, ``GET /state``, ``GET /metrics`` (Prometheus), ``GET /health`` (200 while
+  the broker is reachable), ``GET /ready`` (200 once ready and while the broker is reachable:
+  the readiness probe);
 * ``POST /engines/{engine_id}/drain`` and ``/undrain``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -47,6 +56,8 @@ from router.wire import (
 log = logging.getLogger("kvgate.router")
 
 MAX_BODY_BYTES = 96 << 20  # a 64 MiB key, base64-encoded, plus the envelope
+READY_WAIT_S = 0.5  # /route before ready: wait this long (below a gateway's route timeout)
+READY_POLL_S = 0.02
 LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3,
 )  # fmt: skip
@@ -67,6 +78,31 @@ class EmbeddedRouter:
         self.broker = broker
         self.clock = clock
         self.consumer = Consumer(broker, router, clock=clock, **(consumer_options or {}))
+        self._ready = False
+
+    def is_ready(self) -> bool:
+        """Caught up with the broker and knowing a live engine (latched once true)."""
+        if self._ready or not self.consumer.caught_up:
+            return self._ready
+        alive = sum(1 for e in self.router.engines(self.clock()) if e.alive)
+        if alive:
+            self._ready = True
+            log.info("router ready: caught up with the broker, %d live engines", alive)
+        return self._ready
+
+    async def ready(self) -> bool:
+        """:meth:`is_ready` (the gateway's routing services answer this asynchronously)."""
+        return self.is_ready()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the router is ready, waiting up to ``timeout_s`` for it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(READY_POLL_S, left))
+        return True
 
     async def start(self) -> None:
         await self.consumer.start()
@@ -87,8 +123,10 @@ class EmbeddedRouter:
         """The router's state plus the consumer's (``broker.lag_s`` etc.)."""
         out = self.router.state(self.clock())
         s = self.consumer.stats
+        out["ready"] = self.is_ready()
         out["broker"] = {
             "connected": self.consumer.connected,
+            "caught_up": self.consumer.caught_up,
             "lag_s": round(s.lag_s, 6),
             "entries": s.entries,
             "events": s.events,
@@ -159,6 +197,31 @@ def _bad(message: str, field: str, status: int = 400) -> web.Response:
     return _json({"error": {"message": message, "type": "invalid_request", "param": field}}, status)
 
 
+def _not_ready(service: EmbeddedRouter) -> web.Response:
+    """503 with Retry-After: the router is catching up with the broker, or knows no engine."""
+    caught_up = service.consumer.caught_up
+    connected = service.consumer.connected
+    why = (
+        "the router's broker is unreachable"
+        if not connected
+        else "the router knows no live engine yet"
+        if caught_up
+        else "the router is catching up with the broker"
+    )
+    body = {
+        "ready": False,
+        "broker_connected": connected,
+        "caught_up": caught_up,
+        "error": {"message": why, "type": "not_ready", "param": None},
+    }
+    return web.Response(
+        body=orjson.dumps(body),
+        status=503,
+        content_type="application/json",
+        headers={"Retry-After": "1"},
+    )
+
+
 def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.Application:
     """The ``kvgate router`` HTTP app around ``service`` (starts/stops its consumer when
     ``manage_consumer``)."""
@@ -189,6 +252,8 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
             return _bad(str(exc), exc.field)
         except ValueError as exc:
             return _bad(str(exc), "body")
+        if not service.is_ready() and not await service.wait_ready(READY_WAIT_S):
+            return _not_ready(service)
         t0 = time.perf_counter()
         decision = router.route(req, service.clock())
         latency.observe(time.perf_counter() - t0)
@@ -225,6 +290,11 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
             200 if ok else 503,
         )
 
+    async def ready(request: web.Request) -> web.Response:
+        if service.is_ready() and service.consumer.connected:
+            return _json({"ready": True, "broker_connected": True})
+        return _not_ready(service)
+
     async def drain(request: web.Request) -> web.Response:
         engine_id = request.match_info["engine_id"]
         draining = request.match_info["action"] == "drain"
@@ -246,5 +316,6 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
     app.router.add_get("/state", state)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.cleanup_ctx.append(lifecycle)
     return app

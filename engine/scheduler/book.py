@@ -123,6 +123,10 @@ class SchedBook:
         st.move(Phase.PREFILLING)
         self.waiting.remove(st)
         self.prefilling.append(st)
+        self._enter_ledger(st)
+
+    def _enter_ledger(self, st: ReqState) -> None:
+        """``st`` holds admission now: its TPOT SLO and mean context count for VBS."""
         t = st.req.slo.tpot_ms
         self._tpot_counts[t] = self._tpot_counts.get(t, 0) + 1
         self._inv_tpot_sum += 1.0 / t

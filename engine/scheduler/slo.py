@@ -61,13 +61,22 @@ class SloPolicy:
                 "on this engine"
             )
         cfg = view.config
-        step_ms = view.profile.decode_step_ms(1, st.mean_context)
+        step_ms = self._lone_step_ms(view, st)
         if step_ms * cfg.vbs_safety >= cfg.vbs_margin * slo.tpot_ms:
             return (
                 f"TPOT SLO of {slo.tpot_ms:g} ms cannot be met: one decode step of this request "
                 f"alone takes about {step_ms:.1f} ms (x{cfg.vbs_safety:g} safety) on this engine"
             )
         return None
+
+    def min_tpot_ms(self, view: SchedView, st: ReqState) -> float:
+        """The tightest TPOT SLO VBS admission can ever grant ``st`` on this engine (alone in
+        the batch): below it, :meth:`check_submit` refuses the request."""
+        cfg = view.config
+        return self._lone_step_ms(view, st) * cfg.vbs_safety / cfg.vbs_margin
+
+    def _lone_step_ms(self, view: SchedView, st: ReqState) -> float:
+        return view.profile.decode_step_ms(1, st.mean_context)
 
     def plan(self, view: SchedView, now: float) -> StepPlan:
         if view.config.reject_infeasible:

@@ -213,3 +213,53 @@ async def test_reporter_counts_invalid_events_and_never_raises() -> None:
     await rep.start()
     await rep.close()
     assert await b.engines() == []  # clean close leaves the registry
+
+
+async def test_caught_up_only_once_the_replay_reached_the_end_of_the_stream() -> None:
+    """A router's readiness rests on this: caught_up turns true on the first read that returns
+    no full batch, and by then every event of the backlog has been applied."""
+    b = MemoryBroker()
+    rep = reporter(b, snapshot_interval_s=3600)
+    await rep.start()
+    work = Workload(9)
+    for _ in range(40):  # a backlog of many small entries: the flusher runs between
+        for _ in range(5):
+            rep.emit(work.next_event())
+        await asyncio.sleep(0.005)
+    assert await rep.flush()
+    assert b.stream_length("e1") > 20
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, count=4, **FAST)
+    rounds = []
+    while not consumer.caught_up and len(rounds) < 500:
+        rounds.append(await consumer.poll_once(block_ms=10))
+    assert consumer.caught_up and len(rounds) > 3
+    assert rounds[-1] < 4  # the read that reached the end
+    assert sink.state("e1") == rep.builder.cached_hashes() == set(work.cached)
+    await run_workload(rep, work, 50, yield_every=3)
+    await consumer.poll_once(block_ms=10)
+    assert consumer.caught_up  # latched
+    await rep.close()
+
+
+async def test_no_engine_means_caught_up_after_the_first_look() -> None:
+    consumer = Consumer(MemoryBroker(), FoldingSink(), **FAST)
+    assert not consumer.caught_up
+    await consumer.poll_once(block_ms=10)
+    assert consumer.caught_up
+
+
+async def test_a_snapshot_that_never_comes_holds_catch_up_back_only_until_its_timeout() -> None:
+    """An engine whose stream starts past seq 0 and that answers no snapshot request (its
+    reporter is gone) stays pending; the consumer still counts as caught up after the bound."""
+    b = MemoryBroker()
+    await b.register("ghost", 60.0)
+    env = Envelope("ghost", "ep1", 5, 1.0, RequestStarted("r1"))
+    await b.append("ghost", [encode_batch([env])])
+    consumer = Consumer(b, FoldingSink(), catch_up_timeout_s=0.3, **FAST)
+    await consumer.start()
+    await asyncio.sleep(0.15)
+    assert consumer.cursors["ghost"].state is State.WAITING and not consumer.caught_up
+    assert await wait_until(lambda: consumer.caught_up, 3.0)
+    assert consumer.cursors["ghost"].state is State.WAITING
+    await consumer.close()

@@ -184,11 +184,23 @@ class Stack:
 
 @asynccontextmanager
 async def gateway_stack(
-    n_engines: int = 2, config: GatewayConfig | None = None, **engine_kwargs: object
+    n_engines: int = 2,
+    config: GatewayConfig | None = None,
+    *,
+    warm: asyncio.Event | None = None,
+    **engine_kwargs: object,
 ) -> AsyncIterator[Stack]:
-    """Fake engines, a ListRouting over them and a gateway on free loopback ports."""
+    """Fake engines, a ListRouting over them and a gateway on free loopback ports. With
+    ``warm``, the routing service says it is ready (``ready()``) only once ``warm`` is set,
+    as a router catching up with its broker does."""
     engines = [await FakeEngine(f"e{i}", **engine_kwargs).start() for i in range(n_engines)]
     routing = ListRouting(engines)
+    if warm is not None:
+
+        async def ready() -> bool:
+            return warm.is_set()
+
+        routing.ready = ready  # type: ignore[attr-defined]
     cfg = config or GatewayConfig(health_interval_s=0.2, refresh_interval_s=0.2)
     app = create_app(cfg, routing)
     runner, port = await serve(app, "127.0.0.1", 0, drain_timeout_s=cfg.drain_timeout_s)

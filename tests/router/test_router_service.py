@@ -201,3 +201,83 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
         await broker.close()
     with pytest.raises(RouterUnavailable):
         await RemoteRouter(base, timeout_s=0.5).route(req("x", b"k"))
+
+
+async def test_router_is_not_ready_until_it_knows_an_engine_and_says_so() -> None:
+    """Before the router knows a live engine, /ready is 503 with Retry-After and /route waits
+    a moment and then answers 503 (not a decision over nothing); once an engine's heartbeat is
+    in, both answer."""
+    broker = await broker_mod.connect("memory://")
+    router = Router(RouterConfig("e2"), random.Random(0))
+    service = EmbeddedRouter(router, broker, consumer_options=FAST)
+    runner = web.AppRunner(create_app(service))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    base = f"http://127.0.0.1:{port}"
+    remote = RemoteRouter(base, timeout_s=2.0)
+    rep = Reporter(broker, "eng0", flush_interval_s=0.002)
+    body = {"request_id": "early", "key_b64": base64.b64encode(b"x").decode()}
+    try:
+        await until(lambda: service.consumer.caught_up)  # nothing to replay: no engine yet
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/ready") as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+                assert "knows no live engine" in (await resp.json())["error"]["message"]
+            t0 = time.monotonic()
+            async with http.post(f"{base}/route", json=body) as resp:
+                assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            assert time.monotonic() - t0 >= 0.4  # it waited for readiness first
+            assert not await remote.ready()
+            await rep.start()
+            rep.emit(heartbeat("eng0", "http://127.0.0.1:9/v1"))
+            await until(service.is_ready)
+            async with http.get(f"{base}/ready") as resp:
+                assert resp.status == 200
+            async with http.post(f"{base}/route", json=body) as resp:
+                assert resp.status == 200 and (await resp.json())["engine_id"] == "eng0"
+            assert await remote.ready()
+            assert service.state()["ready"] and service.state()["broker"]["caught_up"]
+    finally:
+        await remote.close()
+        await runner.cleanup()
+        await rep.close()
+        await broker.close()
+
+
+async def test_a_restarted_router_is_ready_only_after_its_replay(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """The engine's heartbeat comes first in its stream and its cached document later: a
+    router that replays one entry per read knows the engine before the document. Readiness
+    waits for the whole replay, so the first moment it is ready, the document is known."""
+    engines_broker = await broker_mod.connect(redis_url, prefix=redis_prefix)
+    rep = Reporter(engines_broker, "eng0", flush_interval_s=0.002, snapshot_interval_s=3600)
+    await rep.start()
+    rep.emit(heartbeat("eng0"))
+    await rep.flush()
+    for i in range(30):
+        rep.emit(stored(bytes([i]) * 256)[0])
+        await rep.flush()
+    rep.emit(stored(DOC_A)[0])
+    await rep.flush()
+    b = await broker_mod.connect(redis_url, prefix=redis_prefix)
+    router = Router(RouterConfig("e2"), random.Random(1))
+    service = EmbeddedRouter(router, b, consumer_options={**FAST, "count": 1})
+    try:
+        await service.start()
+        seen_alive_early = False
+        deadline = time.monotonic() + 10
+        while not service.is_ready():
+            assert time.monotonic() < deadline, "never ready"
+            if any(e.alive for e in router.engines(time.time())):
+                seen_alive_early = True
+            await asyncio.sleep(0.001)
+        assert router.cluster.tree.match(DOC_A).per_engine == {"eng0": len(DOC_A)}
+        assert seen_alive_early  # knowing the engine alone did not make it ready
+    finally:
+        await service.close()
+        await b.close()
+        await rep.close()
+        await engines_broker.close()

@@ -1,0 +1,579 @@
+"""kvgate's SLO scheduler for a real vLLM engine: the pure half (no vLLM, no clock, no I/O).
+
+:class:`VllmBook` keeps the scheduler's books (:class:`engine.scheduler.book.SchedBook`: queues,
+SCORPIO's ledger, prefill units) for one vLLM engine's requests and asks kvgate's own policy,
+:class:`engine.scheduler.slo.SloPolicy` (the code kvgate's simulated engine runs), what the next
+step does. :meth:`VllmBook.plan` turns that decision into a :class:`StepOrder` that vLLM's own
+scheduler carries out (:mod:`kvgate.vllm.scheduler` shapes what ``Scheduler.schedule`` sees), and
+:meth:`VllmBook.after_schedule` / :meth:`VllmBook.on_output` / :meth:`VllmBook.finish` fold back
+what vLLM actually did. The tests drive it with plain values in place of vLLM's requests.
+
+How the policy's decision maps onto a vLLM step (what differs from the simulated engine):
+
+* a step is one vLLM iteration: the policy's decode batch (SCORPIO credits) decodes one token
+  each, and the chosen prefill unit gets the step's prefill tokens; everything else admitted
+  sits the step out (vLLM keeps its KV);
+* the policy sizes a step's prefill as a number of the unit's ``2 x layers`` operators (the TPOT
+  guard: the step lasts at most ``tpot_guard x T_min``). vLLM runs tokens, not operators, so the
+  operators' time is converted back to tokens on the cost profile (the most tokens whose prefill
+  fits that time, at least one); a unit that runs whole gets all its tokens. vLLM's own
+  ``max_num_batched_tokens`` caps the step as always;
+* preemption happens at step boundaries only: a request with an earlier deadline takes the next
+  chunk, the paused unit keeps its KV and progress. FlowPrefill cuts a running batch at its next
+  operator; vLLM executes a step whole, so a step already running finishes first;
+* a request vLLM refuses to start this step (KV allocation, a grammar still compiling) goes back
+  to waiting; a request vLLM evicts for KV (recompute preemption) goes back to waiting before
+  its first token, and after it vLLM resumes it first, outside the policy (it holds a stream);
+* prompts are token ids: ``RequestEnqueued`` states bytes the shell measured with the model's
+  tokenizer when it has one, else tokens for both sizes (the router reads their ratio).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, fields, replace
+
+from broker.events import (
+    Event,
+    FirstToken,
+    LoadHeartbeat,
+    RequestEnqueued,
+    RequestFinished,
+    RequestPreempted,
+    RequestRejected,
+    RequestStarted,
+)
+from engine.scheduler.book import SchedBook
+from engine.scheduler.slo import SloPolicy
+from engine.scheduler.state import (
+    EngineRequest,
+    Phase,
+    PrefillUnit,
+    ReqState,
+    SchedulerConfig,
+)
+from kvgate.cost_model import CostProfile
+from kvgate.slo import Slo
+
+__all__ = ["Arrival", "BookStats", "Capacity", "StepOrder", "StepResult", "VllmBook"]
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A request vLLM just queued, as the book needs it."""
+
+    request_id: str  # vLLM's id
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float  # vLLM's arrival_time (wall-clock seconds)
+    slo: Slo
+    cached_tokens: int = 0  # vLLM's prefix-cache hit for it now (an estimate until it starts)
+    event_id: str = ""  # the id its events carry (the gateway's request id); default: vLLM's
+    key_bytes: int = 0  # its prompt's bytes, when the shell could measure them (else tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What vLLM can take this step."""
+
+    free_blocks: int  # KV blocks free now
+    block_size: int  # tokens per KV block
+    max_running: int  # vLLM's admission limit (max_num_seqs)
+    running: int  # requests vLLM holds in its running list
+    max_tokens: int  # vLLM's token budget of one step (max_num_scheduled_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOrder:
+    """What vLLM does this step: in this order, running requests that decode (one token each)
+    and prefill (``(id, tokens)``), then waiting requests it may start, within ``token_budget``."""
+
+    decode: tuple[str, ...] = ()
+    prefill: tuple[tuple[str, int], ...] = ()
+    start: tuple[str, ...] = ()  # waiting requests to start (their tokens are in ``prefill``)
+    resume: tuple[str, ...] = ()  # evicted requests vLLM resumes first (their own budget)
+    rejected: tuple[tuple[str, str], ...] = ()  # (id, reason): refuse at once
+    token_budget: int = 0
+
+    @property
+    def runs(self) -> frozenset[str]:
+        """Running requests this step touches."""
+        return frozenset(self.decode) | frozenset(rid for rid, _ in self.prefill)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What vLLM's scheduler did with a :class:`StepOrder`."""
+
+    tokens: Mapping[str, int]  # scheduled tokens per request (vLLM's num_scheduled_tokens)
+    computed: Mapping[str, int]  # num_computed_tokens after the step, per scheduled request
+    started: Collection[str] = ()  # waiting -> running this step
+    evicted: Collection[str] = ()  # running -> waiting (vLLM's KV preemption)
+
+
+@dataclass(slots=True)
+class BookStats:
+    """Counters the scheduler logs and a test reads."""
+
+    arrivals: int = 0
+    steps: int = 0
+    started: int = 0
+    start_refused: int = 0  # planned to start, vLLM did not (KV, grammar): back to waiting
+    paused: int = 0  # prefills preempted at a step boundary by an earlier deadline
+    evicted: int = 0  # vLLM's own KV preemptions
+    rejected: int = 0
+    infeasible_on_arrival: int = 0  # TTFT SLO out of reach even alone (queued behind others)
+    tpot_raised: int = 0  # TPOT SLOs below what the engine can do alone, raised to it
+    finished: int = 0
+    cancelled: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class _Extra:
+    """What the book knows of a request beyond its ReqState."""
+
+    event_id: str
+    key_bytes: int
+    unit_base: int = 0  # its ``prefilled`` when its current unit was made
+    prefill_ms: float = 0.0  # execution time of the steps that prefilled it
+    prefill_batch_tokens: int = 0  # the prefill tokens of those steps (its own and others')
+    resuming: bool = False  # evicted after its first token: vLLM resumes it
+    outputs: int = 0
+    last_token_at: float | None = None
+    started: bool = False  # vLLM holds it in its running list
+    in_ledger: bool = False  # counts for VBS (admitted, or resumed)
+
+
+class VllmBook(SchedBook):
+    """The books and the SLO policy of one vLLM engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        profile: CostProfile,
+        config: SchedulerConfig | None = None,
+        *,
+        reject: bool = False,
+    ) -> None:
+        base = config or SchedulerConfig()
+        super().__init__(profile, replace(base, reject_infeasible=reject))
+        self.policy = SloPolicy()
+        self.reject_mode = reject
+        self.stats = BookStats()
+        self._states: dict[str, ReqState] = {}
+        self._extra: dict[str, _Extra] = {}
+        self._events: list[Event] = []
+        self._seq = 0
+        # per plan: the capacity it may use, what it admitted, what it refused
+        self._cap = Capacity(0, 1, 0, 0, 0)
+        self._reserved_blocks = 0
+        self._starting: list[ReqState] = []
+        self._rejected: list[tuple[str, str]] = []
+        self._step_unit: PrefillUnit | None = None
+        self._step_prefill = 0
+        self._step_prefill_ids: list[str] = []
+        self._step_decode: list[ReqState] = []
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def arrive(self, a: Arrival, now: float) -> str | None:
+        """Queue a request vLLM just added; a reason when it must be refused at once (only with
+        ``reject``: otherwise an infeasible TTFT queues behind feasible work and a TPOT SLO the
+        engine cannot meet alone is raised to what it can)."""
+        if a.request_id in self._states:
+            raise ValueError(f"request id {a.request_id!r} is already in this engine")
+        if a.prompt_tokens < 1 or a.max_tokens < 1:
+            raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        self.stats.arrivals += 1
+        event_id = a.event_id or a.request_id
+        self._seq += 1
+        st = ReqState(
+            req=EngineRequest(a.request_id, b"", a.prompt_tokens, a.max_tokens, a.slo, a.arrival),
+            seq=self._seq,
+            hashes=[],
+            private_blocks=0,
+            cached_tokens=min(max(a.cached_tokens, 0), a.prompt_tokens - 1),
+            hit_ratio=0.0,
+        )
+        reason = self.policy.check_submit(self, st, now)
+        if reason is not None:
+            if self.reject_mode:
+                self.stats.rejected += 1
+                self._events.append(RequestRejected(event_id, reason))
+                return reason
+            floor = self.policy.min_tpot_ms(self, st)
+            if a.slo.tpot_ms <= floor:
+                self.stats.tpot_raised += 1
+                slo = replace(a.slo, tpot_ms=floor * 1.001)
+                st = replace(st, req=replace(st.req, slo=slo))
+            else:
+                self.stats.infeasible_on_arrival += 1
+        self._states[a.request_id] = st
+        self._extra[a.request_id] = _Extra(event_id, a.key_bytes)
+        self.waiting.append(st)
+        key_bytes = a.key_bytes or a.prompt_tokens
+        cached = min(st.cached_tokens * key_bytes // a.prompt_tokens, key_bytes)
+        self._events.append(
+            RequestEnqueued(
+                event_id,
+                key_bytes=key_bytes,
+                cached_bytes=cached,
+                input_tokens=a.prompt_tokens,
+                max_tokens=a.max_tokens,
+                ttft_slo_ms=st.req.slo.ttft_ms,
+                tpot_slo_ms=st.req.slo.tpot_ms,
+            )
+        )
+        return None
+
+    def on_output(self, request_id: str, new_tokens: int, now: float) -> None:
+        """vLLM produced ``new_tokens`` output tokens for ``request_id`` in the last step."""
+        st = self._states.get(request_id)
+        if st is None or new_tokens <= 0:
+            return
+        ex = self._extra[request_id]
+        ex.outputs += new_tokens
+        ex.last_token_at = now
+        st.generated = ex.outputs
+        if st.first_token_at is None:
+            st.first_token_at = now
+            self._events.append(
+                FirstToken(
+                    ex.event_id,
+                    max((now - st.req.arrival) * 1000.0, 0.0),
+                    prefill_ms=ex.prefill_ms if ex.prefill_batch_tokens else None,
+                    prefill_tokens=ex.prefill_batch_tokens or None,
+                    context_tokens=st.cached_tokens,
+                )
+            )
+
+    def finish(self, request_id: str, now: float, *, cancelled: bool = False) -> None:
+        """``request_id`` left vLLM (finished, or aborted by the client: ``cancelled``)."""
+        st = self._states.get(request_id)
+        if st is None:
+            return
+        self._drop(st)
+        del self._states[request_id]
+        ex = self._extra.pop(request_id)
+        if st.phase is not Phase.FINISHED:
+            st.move(Phase.FINISHED)
+        if st.first_token_at is None:
+            self.stats.cancelled += 1
+            why = "cancelled before its first token" if cancelled else "finished without output"
+            self._events.append(RequestRejected(ex.event_id, why))
+            return
+        self.stats.finished += 1
+        last = ex.last_token_at if ex.last_token_at is not None else st.first_token_at
+        n = max(ex.outputs, 1)
+        tpot = (last - st.first_token_at) * 1000.0 / (n - 1) if n > 1 else 0.0
+        ttft = max((st.first_token_at - st.req.arrival) * 1000.0, 0.0)
+        self._events.append(RequestFinished(ex.event_id, n, ttft, max(tpot, 0.0)))
+
+    def _drop(self, st: ReqState) -> None:
+        """Take ``st`` out of every queue and the ledger."""
+        for queue in (self.waiting, self.prefilling, self.decoding):
+            if st in queue:
+                queue.remove(st)
+        st.unit = None
+        ex = self._extra.get(st.request_id)
+        if ex is not None:
+            self._ledger_out(st, ex)
+            ex.started = False
+
+    def _ledger_out(self, st: ReqState, ex: _Extra) -> None:
+        if ex.in_ledger:
+            ex.in_ledger = False
+            self._leave_ledger(st)
+
+    # ------------------------------------------------------------------ one step
+
+    def plan(self, now: float, cap: Capacity) -> StepOrder:
+        """Ask the policy for the next step and translate it for vLLM."""
+        self.stats.steps += 1
+        self._cap = cap
+        self._reserved_blocks = 0
+        self._starting = []
+        self._rejected = []
+        resume = self._resume_first()
+        decision = self.policy.plan(self, now)
+        for st in self._switch_unit(decision.unit):
+            self.stats.paused += 1
+            self._events.append(RequestPreempted(self._extra[st.request_id].event_id))
+        decode = tuple(st.request_id for st in decision.decode)
+        self._step_decode = list(decision.decode)
+        room = cap.max_tokens - len(decode) - sum(n for _, n in resume)
+        prefill = self._prefill_tokens(decision.unit, decision.prefill_ops, room)
+        self._step_unit = decision.unit if prefill else None
+        self._step_prefill = sum(n for _, n in prefill)
+        self._step_prefill_ids = [rid for rid, _ in prefill]
+        start = tuple(st.request_id for st in self._starting)
+        budget = len(decode) + self._step_prefill + sum(n for _, n in resume)
+        return StepOrder(
+            decode=decode,
+            prefill=tuple(prefill),
+            start=start,
+            resume=tuple(rid for rid, _ in resume),
+            rejected=tuple(self._rejected),
+            token_budget=budget,
+        )
+
+    def _resume_first(self) -> list[tuple[str, int]]:
+        """Evicted requests that had streamed tokens: vLLM recomputes them first, in order."""
+        out = []
+        for rid, ex in self._extra.items():
+            if ex.resuming and not ex.started:
+                st = self._states[rid]
+                out.append((rid, st.req.input_tokens + ex.outputs))
+        return out
+
+    def _prefill_tokens(
+        self, unit: PrefillUnit | None, ops: int, room: int
+    ) -> list[tuple[str, int]]:
+        """The unit's tokens this step: all that are left when it runs whole, else as many as
+        fit in the time of ``ops`` operators on the cost profile; at most ``room``."""
+        if unit is None or ops <= 0 or room <= 0:
+            return []
+        left = [(st, n - self._done_in_unit(st, n)) for st, n, _ in unit.pieces if st.unit is unit]
+        left = [(st, k) for st, k in left if k > 0]
+        if not left:
+            return []
+        total = sum(k for _, k in left)
+        want = total
+        if ops < unit.ops_left:
+            ctx = unit.pieces[0][2]
+            want = _tokens_within(self.profile, ops * unit.op_ms, ctx, total)
+        want = min(want, room)
+        out = []
+        for st, k in left:
+            if want <= 0:
+                break
+            take = min(k, want)
+            out.append((st.request_id, take))
+            want -= take
+        return out
+
+    def _done_in_unit(self, st: ReqState, n: int) -> int:
+        return min(max(st.prefilled - self._extra[st.request_id].unit_base, 0), n)
+
+    def after_schedule(self, result: StepResult, now: float) -> None:
+        """Fold in what vLLM's scheduler did with the last order."""
+        started = set(result.started)
+        for st in self._starting:
+            if st.request_id not in started:
+                self._refused(st)
+        for rid in started:
+            ex = self._extra.get(rid)
+            if ex is None:
+                continue
+            ex.started = True
+            st = self._states[rid]
+            if ex.resuming:
+                self._readmit(st)
+                continue
+            self.stats.started += 1
+            tokens = result.tokens.get(rid, 0)
+            cached = result.computed.get(rid, tokens) - tokens
+            self._found_cached(st, min(max(cached, 0), st.req.input_tokens - 1))
+        for rid, computed in result.computed.items():
+            st = self._states.get(rid)
+            if st is not None and st.phase in (Phase.PREFILLING, Phase.PREEMPTED):
+                st.prefilled = min(max(computed - st.cached_tokens, 0), st.prefill_tokens)
+        # what the step's prefill really was (vLLM's own cache hits can shorten a piece)
+        self._step_prefill = sum(result.tokens.get(rid, 0) for rid in self._step_prefill_ids)
+        self._advance_unit()
+        for rid in result.evicted:
+            self._evicted(rid)
+
+    def _refused(self, st: ReqState) -> None:
+        """vLLM did not start a request the policy admitted: it waits again, as it was."""
+        self.stats.start_refused += 1
+        self._drop(st)
+        fresh = _waiting_again(st, st.cached_tokens)
+        self._states[st.request_id] = fresh
+        # back in arrival order (the policy sorts; the order only breaks exact ties)
+        at = next((i for i, w in enumerate(self.waiting) if w.seq > st.seq), len(self.waiting))
+        self.waiting.insert(at, fresh)
+
+    def _found_cached(self, st: ReqState, cached: int) -> None:
+        """vLLM's own prefix-cache hit replaces the estimate (its first unit shrinks or grows)."""
+        if cached == st.cached_tokens:
+            return
+        st.cached_tokens = cached
+        unit = st.unit
+        if unit is None:
+            return
+        if self._extra[st.request_id].unit_base:
+            return  # a later chunk's unit: its size was set from vLLM's count already
+        for i, (member, _, _) in enumerate(unit.pieces):
+            if member is st:
+                n = min(st.prefill_tokens, self.config.chunk_tokens)
+                unit.pieces[i] = (st, n, st.cached_tokens)
+
+    def _advance_unit(self) -> None:
+        """The step's unit made progress; when it is done, its members decode (or, chunked,
+        wait for their next chunk's unit)."""
+        unit = self._step_unit
+        if unit is None:
+            return
+        live = [(st, n) for st, n, _ in unit.pieces if st.unit is unit]
+        done = sum(self._done_in_unit(st, n) for st, n in live)
+        total = sum(n for _, n in live)
+        if live and done < total:
+            progress = math.floor(unit.ops_total * done / total) if total else 0
+            unit.ops_done = max(unit.ops_done, min(progress, unit.ops_total - 1))
+            return
+        unit.ops_done = unit.ops_total
+        for st, _ in live:
+            st.unit = None
+            if st.remaining_prefill > 0:
+                continue  # chunked: its next chunk becomes a unit of its own
+            self.prefilling.remove(st)
+            st.move(Phase.DECODING)
+            st.credit = 0.0
+            self.decoding.append(st)
+        if self._running_unit is unit:
+            self._running_unit = None
+
+    def _evicted(self, rid: str) -> None:
+        """vLLM freed ``rid``'s KV to make room (it recomputes it later)."""
+        st = self._states.get(rid)
+        ex = self._extra.get(rid)
+        if st is None or ex is None or not ex.started:
+            return
+        self.stats.evicted += 1
+        self._events.append(RequestPreempted(ex.event_id))
+        self._drop(st)
+        if st.first_token_at is not None:
+            ex.resuming = True  # _resume_first: vLLM resumes it, outside the policy
+            return
+        fresh = _waiting_again(st, 0)
+        self._states[rid] = fresh
+        self.waiting.insert(0, fresh)
+
+    def _readmit(self, st: ReqState) -> None:
+        """An evicted request that had streamed tokens is running again: it decodes."""
+        ex = self._extra[st.request_id]
+        ex.resuming = False
+        ex.in_ledger = True
+        self._enter_ledger(st)
+        st.credit = 0.0
+        self.decoding.append(st)
+
+    def step_executed(self, ms: float) -> None:
+        """The last order ran on the model for ``ms``: the figures routers fit speed from
+        (prefill: the steps that prefilled a request, with their prefill tokens, for its
+        FirstToken; decode: steps that only decoded, for the heartbeat)."""
+        if self._step_prefill:
+            for rid in self._step_prefill_ids:
+                ex = self._extra.get(rid)
+                if ex is not None:
+                    ex.prefill_ms += ms
+                    ex.prefill_batch_tokens += self._step_prefill
+        elif self._step_decode:
+            decode = self._step_decode
+            self._note_decode_step(ms, len(decode), sum(st.context for st in decode) / len(decode))
+        self._step_prefill = 0
+        self._step_prefill_ids = []
+        self._step_decode = []
+
+    # ------------------------------------------------------------------ SchedView (policy)
+
+    def admissible(self, st: ReqState) -> bool:
+        cap = self._cap
+        if cap.running + len(self._starting) >= cap.max_running:
+            return False
+        return self._blocks_for(st) <= cap.free_blocks - self._reserved_blocks
+
+    def admit(self, st: ReqState, now: float) -> bool:
+        if not self.admissible(st):
+            return False
+        self._reserved_blocks += self._blocks_for(st)
+        self._enter_prefill(st)
+        self._extra[st.request_id].in_ledger = True
+        self._starting.append(st)
+        self._events.append(RequestStarted(self._extra[st.request_id].event_id))
+        return True
+
+    def reject(self, st: ReqState, reason: str, now: float) -> None:
+        st.move(Phase.REJECTED)
+        self.waiting.remove(st)
+        del self._states[st.request_id]
+        ex = self._extra.pop(st.request_id)
+        self._rejected.append((st.request_id, reason))
+        self._events.append(RequestRejected(ex.event_id, reason))
+        self.stats.rejected += 1
+
+    def make_unit(self, pieces: list[tuple[ReqState, int]], *, preemptible: bool) -> PrefillUnit:
+        for st, _ in pieces:
+            self._extra[st.request_id].unit_base = st.prefilled
+        return super().make_unit(pieces, preemptible=preemptible)
+
+    def _blocks_for(self, st: ReqState) -> int:
+        """KV blocks its uncached prompt and first output token take."""
+        size = max(self._cap.block_size, 1)
+        return -(-(st.req.input_tokens - st.cached_tokens + 1) // size)
+
+    # ------------------------------------------------------------------ reports
+
+    def drain_events(self) -> list[Event]:
+        """broker.events payloads since the last call, in the order they happened."""
+        out, self._events = self._events, []
+        return out
+
+    def heartbeat(
+        self, url: str, models: tuple[str, ...], *, kv_blocks_used: int, kv_blocks_total: int
+    ) -> LoadHeartbeat:
+        """The load now (its decode figures cover the steps since the previous heartbeat)."""
+        return self._load_heartbeat(
+            url, models, kv_blocks_used=kv_blocks_used, kv_blocks_total=kv_blocks_total
+        )
+
+    def phase_of(self, request_id: str) -> Phase | None:
+        st = self._states.get(request_id)
+        return st.phase if st is not None else None
+
+    def slack_ms(self, request_id: str, now: float) -> float | None:
+        """S-EDF slack of a request still before its first token: time to its TTFT deadline
+        minus its predicted prefill still to run (None once it has a first token)."""
+        st = self._states.get(request_id)
+        if st is None or st.first_token_at is not None:
+            return None
+        return (st.deadline - now) * 1000.0 - self.predict(st.remaining_prefill)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+
+def _waiting_again(st: ReqState, cached_tokens: int) -> ReqState:
+    """A waiting copy of an admitted request vLLM did not start or evicted (same arrival order;
+    its SCORPIO credit and prefill progress start over, as its KV does)."""
+    return ReqState(
+        req=st.req,
+        seq=st.seq,
+        hashes=[],
+        private_blocks=0,
+        cached_tokens=cached_tokens,
+        hit_ratio=0.0,
+        blocked_by="kv",
+    )
+
+
+def _tokens_within(profile: CostProfile, ms: float, context: int, most: int) -> int:
+    """The most new tokens (at least 1, at most ``most``) whose prefill after ``context`` cached
+    tokens takes no longer than ``ms`` on ``profile``."""
+    if most <= 1 or profile.prefill_ms(most, context) <= ms:
+        return max(most, 1)
+    lo, hi = 1, most  # prefill(lo) may exceed ms: one token is the least a step runs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if profile.prefill_ms(mid, context) <= ms:
+            lo = mid
+        else:
+            hi = mid
+    return lo

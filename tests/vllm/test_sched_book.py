@@ -1,0 +1,293 @@
+"""kvgate's SLO scheduler for vLLM, its pure half: ordering, step budget and admission, driven
+through a fake of what the plug-in sees of vLLM (tests/vllm/fake_vllm.py). No vLLM needed.
+
+Profile: prefill costs exactly 1 ms per new token (FlowPrefill's cubic predictor fits it to
+within a fraction of a millisecond), a decode step ``1 x B + 10`` ms.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fake_vllm import FakeVllm
+
+from broker.events import (
+    FirstToken,
+    LoadHeartbeat,
+    RequestEnqueued,
+    RequestFinished,
+    RequestPreempted,
+    RequestStarted,
+)
+from engine.core import EngineCore, EngineRequest
+from engine.scheduler.slo import SloPolicy
+from engine.scheduler.state import Phase, SchedulerConfig
+from kvgate.cost_model import CostProfile, PrefillSegment
+from kvgate.slo import Slo
+from kvgate.vllm.book import Arrival, Capacity, StepResult, VllmBook, _tokens_within
+
+PROFILE = CostProfile(
+    name="linear-test",
+    segments=(PrefillSegment(0, (0.0, 1.0)),),
+    attn_threshold=1e30,
+    efficiency=1.0,
+    decode_a=0.0,
+    decode_b=1.0,
+    decode_c=0.0,
+    decode_d=10.0,
+    kv_blocks=100_000,
+    block_tokens=16,
+    bytes_per_token=4,
+)
+RELAXED = Slo(60_000.0, 1_000.0, "relaxed")
+URGENT = Slo(2_000.0, 1_000.0, "urgent")
+
+
+def book(**cfg: object) -> VllmBook:
+    reject = bool(cfg.pop("reject", False))
+    return VllmBook(PROFILE, SchedulerConfig(**cfg), reject=reject)  # type: ignore[arg-type]
+
+
+def events_of(b: VllmBook, kind: type) -> list:
+    return [e for e in b.drain_events() if isinstance(e, kind)]
+
+
+# ------------------------------------------------------------------ the same policy
+
+
+def test_the_book_runs_the_simulated_engines_policy_and_agrees_with_it() -> None:
+    """The plug-in is not a second copy: its policy is SloPolicy, and on the same queue it
+    starts the same batch as kvgate's simulated engine, in the same order."""
+    b = book()
+    assert isinstance(b.policy, SloPolicy)
+    sizes = {"a": 3000, "b": 400, "c": 900, "d": 200}
+    ttfts = {"a": 50_000.0, "b": 9_000.0, "c": 4_000.0, "d": 6_000.0}
+    sim = EngineCore("sim", PROFILE, policy="slo")
+    fake = FakeVllm(b)
+    for rid in sizes:
+        slo = Slo(ttfts[rid], 1_000.0)
+        sim.submit(EngineRequest(rid, rid.encode() * 64, sizes[rid], 4, slo, 0.0), 0.0)
+        fake.add(rid, sizes[rid], slo=slo, now=0.0)
+    sim.advance(0.0)
+    sim_unit = [st.request_id for st, _, _ in sim._step.unit.pieces]  # type: ignore[union-attr]
+    order = fake.step(0.0)
+    assert list(order.start) == sim_unit == ["c", "d", "b"]  # S-EDF head, then batched by EDF
+    assert [rid for rid, _ in order.prefill] == sim_unit
+
+
+# ------------------------------------------------------------------ ordering
+
+
+def test_an_earlier_deadline_takes_the_next_chunk_from_a_running_prefill() -> None:
+    b = book()
+    fake = FakeVllm(b, max_tokens=1000)  # vLLM's step budget: a 6000-token prompt takes 6 steps
+    fake.add("long", 6000, slo=RELAXED, now=0.0)
+    first = fake.step(0.0)
+    assert first.start == ("long",) and first.prefill == (("long", 1000),)
+    fake.step(1.0)
+    fake.add("urgent", 300, slo=URGENT, now=1.5)
+    b.drain_events()
+    order = fake.step(2.0)
+    assert order.start == ("urgent",)
+    assert order.prefill[0] == ("urgent", 300)  # the chunk boundary: urgent first
+    assert [e.request_id for e in events_of(b, RequestPreempted)] == ["long"]
+    assert b.phase_of("long") is Phase.PREEMPTED
+    order = fake.step(3.0)
+    assert "urgent" in fake.first_token_at and order.decode == ("urgent",)
+    assert b.phase_of("long") is Phase.PREFILLING  # it resumes where it stopped: 2000 done
+    # ... in a slice the TPOT guard sizes (a step lasts at most 0.9 x 1000 ms while urgent
+    # decodes): whole operators of its unit (6000 ms / 64) within 900 - 11 ms
+    assert fake.steps[-1]["long"] == 9 * 6000 // 64 == fake.reqs["long"].computed - 2000
+
+
+def test_queued_requests_start_earliest_deadline_first_minus_their_prefill() -> None:
+    b = book(token_budget=1)  # no batching: one request per step (one-token answers)
+    fake = FakeVllm(b)
+    # deadlines 10 s, 8 s and 9 s; "big" needs 5 s of prefill, so its latest start is 4 s
+    fake.add("a", 100, slo=Slo(10_000.0, 1_000.0), now=0.0, max_tokens=1)
+    fake.add("big", 5000, slo=Slo(9_000.0, 1_000.0), now=0.0, max_tokens=1)
+    fake.add("c", 100, slo=Slo(8_000.0, 1_000.0), now=0.0, max_tokens=1)
+    starts = [rid for _ in range(3) for rid in fake.step(0.0, 1.0).start]
+    assert starts == ["c", "big", "a"]  # EDF on the deadline (the slack only sorts sign)
+
+
+def test_a_late_request_queues_behind_feasible_ones_or_is_refused_with_reject() -> None:
+    for reject in (False, True):
+        b = book(token_budget=1, reject=reject)
+        fake = FakeVllm(b)
+        fake.add("late", 500, slo=Slo(1_000.0, 1_000.0), now=0.0)
+        fake.add("ok", 500, slo=RELAXED, now=0.0)
+        order = fake.step(0.8)  # late: 200 ms left, 500 ms of prefill: infeasible
+        if reject:
+            assert order.rejected and order.rejected[0][0] == "late"
+            assert "can no longer be met" in order.rejected[0][1]
+            assert order.start == ("ok",) and "late" not in b
+        else:
+            assert order.start == ("ok",) and not order.rejected
+            assert fake.step(2.0).start == ("late",)  # still served, after feasible work
+
+
+# ------------------------------------------------------------------ the step's token budget
+
+
+def test_the_tpot_guard_cuts_a_prefill_to_keep_decodes_within_their_tpot() -> None:
+    b = book()
+    fake = FakeVllm(b)
+    tight = Slo(60_000.0, 100.0, "tight")
+    for i in range(4):
+        fake.add(f"d{i}", 50, slo=tight, now=0.0, max_tokens=50)
+    fake.step(0.0)  # the four short prompts prefill in one batch
+    fake.step(0.05)
+    assert len(b.decoding) == 4
+    fake.add("doc", 4000, slo=RELAXED, now=0.1)
+    order = fake.step(0.1)
+    prefill = sum(n for _, n in order.prefill)
+    decode_ms = PROFILE.decode_step_ms(4, 50)  # 14 ms
+    # the step lasts at most 0.9 x 100 ms: 76 ms are left for prefill, 1 ms a token
+    assert len(order.decode) == 4
+    assert 60 <= prefill <= 0.9 * 100 - decode_ms
+    assert order.token_budget == 4 + prefill
+    # with nothing decoding, a prefill runs whole (up to vLLM's own step budget)
+    b2 = book()
+    fake2 = FakeVllm(b2, max_tokens=3000)
+    fake2.add("doc", 4000, slo=RELAXED, now=0.0)
+    assert fake2.step(0.0).prefill == (("doc", 3000),)
+
+
+def test_scorpio_credits_decode_a_looser_tpot_class_less_often() -> None:
+    b = book()
+    fake = FakeVllm(b)
+    fake.add("fast", 20, slo=Slo(60_000.0, 50.0), now=0.0, max_tokens=100)
+    fake.add("slow", 20, slo=Slo(60_000.0, 100.0), now=0.0, max_tokens=100)
+    fake.step(0.0)
+    decoded = {"fast": 0, "slow": 0}
+    for i in range(1, 21):
+        for rid in fake.step(i * 0.02).decode:
+            decoded[rid] += 1
+    assert decoded == {"fast": 20, "slow": 10}  # TRP: 1 and 50/100
+
+
+def test_tokens_within_inverts_the_profile() -> None:
+    assert _tokens_within(PROFILE, 76.0, 0, 4000) == 76
+    assert _tokens_within(PROFILE, 0.1, 0, 4000) == 1  # at least one token a step
+    assert _tokens_within(PROFILE, 10_000.0, 0, 4000) == 4000
+
+
+# ------------------------------------------------------------------ admission
+
+
+def test_vbs_admission_holds_a_request_back_while_the_decode_batch_is_full() -> None:
+    # each decode step costs 1 ms per request + 10 ms: with a 30 ms TPOT SLO the batch holds
+    # requests while (B + 10) x 1.3 < 0.99 x 30, i.e. at most 12
+    b = book()
+    fake = FakeVllm(b)
+    tpot = Slo(600_000.0, 30.0, "t30")
+    for i in range(14):
+        fake.add(f"r{i}", 10, slo=tpot, now=0.0, max_tokens=200)
+    fake.step(0.0)
+    assert len(fake.running) == 12
+    assert b.running == 12 and b.vbs == pytest.approx(12.0)
+    waiting = {st.request_id for st in b.waiting}
+    assert waiting == {"r12", "r13"} and all(st.blocked_by == "vbs" for st in b.waiting)
+    for i in range(1, 5):
+        assert not fake.step(i * 0.03).start  # still full: nothing starts
+    # two finish: room for two more
+    for rid in ("r0", "r1"):
+        fake._drop(fake.reqs[rid])
+        b.finish(rid, 0.2)
+    assert set(fake.step(0.2).start) == {"r12", "r13"}
+
+
+def test_kv_admission_and_a_start_vllm_refuses() -> None:
+    b = book()
+    fake = FakeVllm(b, blocks=40, block_size=16)  # 640 tokens of KV
+    fake.add("a", 500, slo=RELAXED, now=0.0)
+    fake.add("b", 500, slo=RELAXED, now=0.0)
+    order = fake.step(0.0)
+    assert order.start == ("a",)  # b does not fit next to a
+    assert b.waiting[0].request_id == "b" and b.waiting[0].blocked_by == "kv"
+    fake.refuse.add("c")
+    fake.add("c", 10, slo=URGENT, now=0.0)
+    fake.step(0.6)
+    assert b.stats.start_refused == 1 and b.phase_of("c") is Phase.WAITING
+    assert b.running == 1  # the refused start gave its share of the ledger back
+
+
+def test_a_tpot_slo_the_engine_cannot_meet_alone_is_raised_or_refused() -> None:
+    impossible = Slo(60_000.0, 5.0, "impossible")  # a lone decode step takes 11 ms
+    b = book()
+    fake = FakeVllm(b)
+    assert fake.add("x", 10, slo=impossible, now=0.0) is None
+    enq = events_of(b, RequestEnqueued)[0]
+    assert enq.tpot_slo_ms > 11.0 * 1.3 / 0.99 and b.stats.tpot_raised == 1
+    assert fake.step(0.0).start == ("x",)  # it runs rather than waiting forever
+    b2 = book(reject=True)
+    reason = FakeVllm(b2).add("x", 10, slo=impossible, now=0.0)
+    assert reason is not None and "TPOT SLO" in reason
+
+
+# ------------------------------------------------------------------ vLLM's own moves
+
+
+def test_vllm_cache_hits_shrink_a_planned_prefill() -> None:
+    b = book()
+    fake = FakeVllm(b)
+    fake.add("r", 1000, slo=RELAXED, now=0.0, cached=800, estimate=0)
+    order = fake.step(0.0)
+    assert order.prefill == (("r", 1000),)  # planned on the estimate
+    assert fake.steps[-1] == {"r": 200}  # vLLM found 800 cached tokens
+    assert b.phase_of("r") is Phase.DECODING  # and the book knows the prefill is done
+    ft = events_of(b, FirstToken)[0]
+    assert ft.context_tokens == 800 and ft.prefill_tokens == 200
+
+
+def test_evicted_requests_wait_again_or_resume_first() -> None:
+    b = book()
+    fake = FakeVllm(b)
+    fake.add("early", 100, slo=RELAXED, now=0.0, max_tokens=50)
+    fake.add("streaming", 100, slo=RELAXED, now=0.0, max_tokens=50)
+    fake.step(0.0)
+    fake.step(0.01)
+    assert b.phase_of("streaming") is Phase.DECODING
+    fake.evict("streaming", 0.02)
+    assert b.running == 1 and b.stats.evicted == 1
+    fake.add("new", 100, slo=URGENT, now=0.02)
+    order = fake.step(0.03)
+    assert order.resume == ("streaming",) and order.start == ("new",)
+    assert fake.steps[-1]["streaming"] == 102  # its prompt and its two tokens, recomputed
+    assert b.phase_of("streaming") is Phase.DECODING and b.running == 3
+
+
+# ------------------------------------------------------------------ what it reports
+
+
+def test_events_name_requests_by_the_gateway_id_and_carry_slos_and_load() -> None:
+    b = book()
+    now = 100.0
+    b.arrive(Arrival("vllm-1", 200, 3, now, URGENT, event_id="gw-1", key_bytes=800), now)
+    cap = Capacity(free_blocks=1000, block_size=16, max_running=8, running=0, max_tokens=4096)
+    hb = b.heartbeat("http://e:8000", ("m",), kv_blocks_used=0, kv_blocks_total=1000)
+    assert isinstance(hb, LoadHeartbeat) and hb.waiting == 1 and hb.queued_prefill_tokens == 200
+    assert b.slack_ms("vllm-1", now) == pytest.approx(2_000.0 - 200.0, abs=2.0)
+    order = b.plan(now, cap)
+    b.after_schedule(StepResult({"vllm-1": 200}, {"vllm-1": 200}, started=["vllm-1"]), now)
+    b.step_executed(200.0)
+    b.on_output("vllm-1", 1, now + 0.2)
+    b.on_output("vllm-1", 2, now + 0.3)
+    b.finish("vllm-1", now + 0.3)
+    evs = b.drain_events()
+    assert order.start == ("vllm-1",)
+    assert [type(e).__name__ for e in evs] == [
+        "RequestEnqueued",
+        "RequestStarted",
+        "FirstToken",
+        "RequestFinished",
+    ]
+    assert {e.request_id for e in evs} == {"gw-1"}
+    enq, started, ft, fin = evs
+    assert isinstance(enq, RequestEnqueued) and isinstance(started, RequestStarted)
+    assert (enq.key_bytes, enq.input_tokens, enq.ttft_slo_ms) == (800, 200, 2_000.0)
+    assert isinstance(ft, FirstToken) and ft.ttft_ms == pytest.approx(200.0)
+    assert ft.prefill_ms == 200.0 and ft.prefill_tokens == 200
+    assert isinstance(fin, RequestFinished)
+    assert (fin.output_tokens, fin.tpot_ms) == (3, pytest.approx(50.0))
+    assert b.running == 0 and not b.waiting and "vllm-1" not in b
