@@ -374,9 +374,12 @@ async def run_bench(args: argparse.Namespace) -> dict:
                     f"kvgate-bench-{os.getpid()}-{name}:",
                     "--policy",
                     args.kvgate_policy,
-                    "--no-access-log",
-                    "--log-level",
-                    "warning",
+                    # --access-log: one JSON line per request into the target's log file
+                    *(
+                        ("--log-level", "info")
+                        if args.access_log
+                        else ("--no-access-log", "--log-level", "warning")
+                    ),
                     *extra,
                     *(
                         a
@@ -654,6 +657,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput-requests", type=int, default=1500, help="per target, per round")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--kvgate-policy", default="e2")
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="kvgate targets write their access log (to --log-dir) instead of none",
+    )
     p.add_argument(
         "--workers",
         type=lambda v: sorted({int(x) for x in v.split(",")}),
