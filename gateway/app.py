@@ -57,6 +57,7 @@ from gateway.upstream import (
 from kvgate.logs import AccessLog, LogOnce, request_id_var
 from kvgate.openai_request import ChatTemplate, Endpoint, RequestError, parse_request
 from kvgate.slo import Slo
+from kvgate.slo_forward import forward_body
 from router.api import Decision, EngineInfo, Outcome, RouteRequest, RoutingService
 
 log = logging.getLogger("kvgate.gateway")
@@ -542,6 +543,8 @@ class Gateway:
         max_tokens = parsed.max_tokens or parsed.hint.output_tokens or cfg.default_max_tokens
         rid_b = rid.encode("utf-8", "surrogateescape")
         headers = self._forward_headers(request, rid_b)
+        if cfg.forward_slo != "none":  # the SLO where vLLM's scheduler sees it
+            raw = orjson.dumps(forward_body(body, parsed.slo, rid, cfg.forward_slo))
         m = self.metrics
         tried: set[str] = set()
         for attempt in range(cfg.max_retries + 1):

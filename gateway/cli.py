@@ -25,6 +25,7 @@ from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
 from kvgate.runtime import tune_gc
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
+from kvgate.slo_forward import FORWARD_MODES
 from router.options import add_router_options, router_config
 from router.policies.registry import PolicyError
 
@@ -133,6 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--route-timeout", type=float, default=d.route_timeout_s, metavar="S")
     p.add_argument(
+        "--forward-slo",
+        choices=FORWARD_MODES,
+        default=d.forward_slo,
+        help="vllm: pass each request's SLO to vLLM engines running kvgate's scheduler "
+        "(vllm_xargs); vllm-priority: also set vLLM's priority from the TTFT SLO (engines run "
+        "with --scheduling-policy priority); default %(default)s (the body as sent)",
+    )
+    p.add_argument(
         "--ready-wait",
         type=float,
         default=d.ready_wait_s,
@@ -190,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         connect_timeout_s=args.connect_timeout,
         idle_timeout_s=args.idle_timeout,
         route_timeout_s=args.route_timeout,
+        forward_slo=args.forward_slo,
         max_retries=max(0, args.max_retries),
         health_interval_s=args.health_interval,
         drain_timeout_s=args.drain_timeout,

@@ -65,6 +65,7 @@ class GatewayConfig:
     default_max_tokens: int = 256  # routing estimate when a request states no max_tokens
     bytes_per_token: float = 4.0  # routing estimate of input tokens from key bytes
     busy_poll: bool = False  # poll without sleeping while requests are open (gateway.busypoll)
+    forward_slo: str = "none"  # --forward-slo: the SLO in vllm_xargs (kvgate.slo_forward)
 
 
 def _check_url(url: str, what: str) -> str:
