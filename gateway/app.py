@@ -198,6 +198,7 @@ class Gateway:
         self._routing_ready: Callable[[], Awaitable[bool]] | None = getattr(routing, "ready", None)
         self.router_failed_at: float | None = None  # last time route()/engines() failed
         self.broker_ok = True
+        self.broker_failing_since: float | None = None
         self.degraded = False
         self.last_refresh = -math.inf
         self.reports: asyncio.Queue[tuple[str, str, Outcome]] = asyncio.Queue(maxsize=10_000)
@@ -226,6 +227,21 @@ class Gateway:
                 )
             else:
                 log.info("router available again: routing through it")
+
+    def _broker_health(self, ok: bool, now: float) -> None:
+        """The embedded router's broker counts as down once its checks have failed for
+        ``broker_grace_s``: a ping that times out on a busy machine must not turn off the
+        router (measured: one such second sent 45 of 300 requests by least load)."""
+        if ok:
+            self.broker_failing_since = None
+            if not self.broker_ok:
+                self.broker_ok = True
+            return
+        if self.broker_failing_since is None:
+            self.broker_failing_since = now
+        if self.broker_ok and now - self.broker_failing_since >= self.config.broker_grace_s:
+            self.broker_ok = False
+            log.warning("broker unavailable: the router's view is frozen")
 
     def _router_usable(self, now: float) -> bool:
         """After a router failure, skip it for a second instead of paying its timeout on every
@@ -259,10 +275,8 @@ class Gateway:
             lag = st.get("broker_lag_s")
             self.metrics.broker_lag.set(float(lag) if lag is not None else math.nan)
             ok = st.get("broker_ok")
-            if ok is not None and bool(ok) != self.broker_ok:
-                self.broker_ok = bool(ok)
-                if not self.broker_ok:
-                    log.warning("broker unavailable: the router's view is frozen")
+            if ok is not None:
+                self._broker_health(bool(ok), time.monotonic())
         if not self.broker_ok:
             self._set_degraded("broker unavailable")
         elif self.router_failed_at is None or time.monotonic() - self.router_failed_at > 1.0:

@@ -142,6 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with --scheduling-policy priority); default %(default)s (the body as sent)",
     )
     p.add_argument(
+        "--broker-grace",
+        type=float,
+        default=d.broker_grace_s,
+        metavar="S",
+        help="route by least load only after the router's broker has failed this long "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--ready-wait",
         type=float,
         default=d.ready_wait_s,
@@ -200,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         idle_timeout_s=args.idle_timeout,
         route_timeout_s=args.route_timeout,
         forward_slo=args.forward_slo,
+        broker_grace_s=args.broker_grace,
         max_retries=max(0, args.max_retries),
         health_interval_s=args.health_interval,
         drain_timeout_s=args.drain_timeout,

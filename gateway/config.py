@@ -53,6 +53,9 @@ class GatewayConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
     refresh_interval_s: float = 1.0  # how often the router's engine list is re-read
+    # the embedded router's broker must fail its health checks this long before the gateway
+    # routes without the router (a few seconds of stale events beat least load)
+    broker_grace_s: float = 5.0
     drain_timeout_s: float = 30.0  # graceful shutdown: how long open streams may finish
     # before the gateway is ready (its router caught up, an engine known) a request waits
     # this long for it, then gets 503 with Retry-After

@@ -82,7 +82,7 @@ from router.policies.base import (
     pick_min,
     top_matched,
 )
-from router.policies.feasibility import Estimate, estimate, retry_after, shed
+from router.policies.feasibility import Estimate, estimate, recent_rate, retry_after, shed
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +194,7 @@ class E2(PolicyBase):
                 finalists, reason = heavy, "pd_balance"
         most = max(s.matched for s in finalists)
         holders = [s for s in finalists if s.matched == most]
-        chosen = pick_min((s.ev for s in holders), by_load, view.rng)
+        chosen = pick_min((s.ev for s in holders), _Balance(now), view.rng)
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
             reason = "exploit"
         return decide(
@@ -321,6 +321,20 @@ class E2(PolicyBase):
             if hi < cfg.rebalance_ratio * lo:
                 break
         return tuple(moves)
+
+
+class _Balance:
+    """The tie-break among equally cheap engines: the least outstanding work, then the fewest
+    in flight, then the lowest recent request rate (the long-run share: on idle engines, a
+    new prefix goes where the least traffic does, so popular prefixes spread evenly)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self, ev: EngineView) -> tuple[float, int, float]:
+        return (ev.load_ms, ev.inflight, recent_rate(ev, self.now))
 
 
 def _ttft(s: _Scored) -> float:

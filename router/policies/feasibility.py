@@ -134,6 +134,12 @@ class Estimate:
         return max(self.ttft_ms - ttft_slo_ms, 0.0)
 
 
+def recent_rate(ev: EngineView, now: float) -> float:
+    """Requests per second routed to ``ev`` lately (its exponentially weighted rate, decayed
+    to ``now``)."""
+    return ev.rate_per_s * math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+
+
 def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
     """How many requests ``ev`` can decode together within ``tpot_ms`` by SCORPIO's admission
     rule (``EstTPOT(B, L) x 1.3 < 0.99 x TPOT``, at the engine's fitted decode speed), the mean

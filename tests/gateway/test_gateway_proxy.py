@@ -321,3 +321,27 @@ async def test_busy_poll_spins_only_while_requests_are_open() -> None:
         await wait_until(lambda: not busy.spinning)
     async with gateway_stack(1) as st:
         assert st.gateway.busy_poll is None  # off by default
+
+
+async def test_a_broker_blip_shorter_than_the_grace_keeps_the_router() -> None:
+    """A broker health check that fails once (a slow ping on a busy machine) must not switch
+    the gateway to least load; failing for ``broker_grace_s`` does, and recovery switches back."""
+    cfg = GatewayConfig(health_interval_s=0.1, refresh_interval_s=0.05, broker_grace_s=0.6)
+    async with gateway_stack(2, cfg) as st:
+        health = {"ok": True}
+
+        async def stats() -> dict:
+            return {"broker_ok": health["ok"], "broker_lag_s": 0.0}
+
+        st.gateway.stats = stats
+        health["ok"] = False
+        await asyncio.sleep(0.3)
+        assert not st.gateway.degraded and st.gateway.broker_ok
+        health["ok"] = True
+        await asyncio.sleep(0.2)
+        health["ok"] = False  # the clock restarts after a good check
+        await asyncio.sleep(0.4)
+        assert not st.gateway.degraded
+        await wait_until(lambda: st.gateway.degraded, 3.0)
+        health["ok"] = True
+        await wait_until(lambda: not st.gateway.degraded, 3.0)

@@ -59,6 +59,16 @@ async def _reporters(broker, n: int) -> list[Reporter]:
     return out
 
 
+async def serve_router(service: EmbeddedRouter) -> tuple[web.AppRunner, str]:
+    """``kvgate router``'s HTTP app around ``service`` on a free loopback port."""
+    runner = web.AppRunner(create_app(service))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
 def req(rid: str, key: bytes) -> RouteRequest:
     return RouteRequest(rid, "m", key, len(key) // 4, 16)
 
@@ -143,12 +153,7 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
     await rep.start()
     router = Router(RouterConfig("e2"), random.Random(0))
     service = EmbeddedRouter(router, broker, consumer_options=FAST)
-    runner = web.AppRunner(create_app(service))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    base = f"http://127.0.0.1:{port}"
+    runner, base = await serve_router(service)
     remote = RemoteRouter(base, timeout_s=2.0)
     try:
         rep.emit(heartbeat("eng0", "http://127.0.0.1:9/v1"))
@@ -210,12 +215,7 @@ async def test_router_is_not_ready_until_it_knows_an_engine_and_says_so() -> Non
     broker = await broker_mod.connect("memory://")
     router = Router(RouterConfig("e2"), random.Random(0))
     service = EmbeddedRouter(router, broker, consumer_options=FAST)
-    runner = web.AppRunner(create_app(service))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    base = f"http://127.0.0.1:{port}"
+    runner, base = await serve_router(service)
     remote = RemoteRouter(base, timeout_s=2.0)
     rep = Reporter(broker, "eng0", flush_interval_s=0.002)
     body = {"request_id": "early", "key_b64": base64.b64encode(b"x").decode()}
