@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.workloads.request import segment_bytes
+from bench.cli import _names
+from bench.sim.policies import parse_policy
 from bench.workloads.synthetic import Zipf
 from engine_reporter.vllm.metrics import parse_metrics
 
@@ -152,13 +153,15 @@ def kvgate_router(
             cmd = [KVGATE, "bridge", "vllm", "--zmq", e.events, "--replay", e.replay,
                    "--model-dir", args.model_dir, "--engine-url", e.url,
                    "--engine-id", e.name, "--broker", args.redis,
-                   "--broker-prefix", prefix]  # fmt: skip
+                   "--broker-prefix", prefix, "--profile", args.profile]  # fmt: skip
             log = (logs / f"bridge-{tag}-{e.name}.log").open("w")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         port = free_port()
+        name, options = parse_policy(policy)  # e.g. e2[work_weight=2]
+        flags = [a for k, v in options.items() for a in ("--policy-option", f"{k}={json.dumps(v)}")]
         cmd = [KVGATE, "gateway", "--host", LOOPBACK, "--port", str(port),
                "--broker-url", args.redis, "--broker-prefix", prefix,
-               "--chat-template", args.model_dir, "--policy", policy,
+               "--chat-template", args.model_dir, "--policy", name, *flags,
                "--admin-token", ADMIN_TOKEN]  # fmt: skip
         log = (logs / f"gateway-{tag}.log").open("w")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
@@ -178,7 +181,7 @@ def kvgate_router(
 
 
 @contextlib.contextmanager
-def sglang_router(engines: list[Engine], logs: Path, tag: str) -> Iterator[str]:
+def sglang_cache_aware(engines: list[Engine], logs: Path, tag: str) -> Iterator[str]:
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", LOOPBACK,
            "--port", str(port), "--worker-urls", *[e.url for e in engines],
@@ -193,16 +196,34 @@ def sglang_router(engines: list[Engine], logs: Path, tag: str) -> Iterator[str]:
         stop([proc])
 
 
+# plain words the tiny model's tokenizer knows (random text would cost a token a character)
+WORDS = (
+    "the", "ship", "harbour", "cargo", "weighed", "night", "star", "ledger", "volume", "master",
+    "notes", "observatory", "clear", "sky", "counted", "river", "mill", "grain", "bread",
+    "market", "town", "road", "bridge", "stone", "wall", "gate", "tower", "bell", "morning",
+    "evening", "winter", "summer", "field", "farmer", "horse", "cart", "letter", "clerk",
+    "office", "record", "account", "page", "line", "number",
+)  # fmt: skip
+
+
 def workload(args: argparse.Namespace) -> list[str]:
-    """The prompts: a Zipf-popular document and a unique question each (seeded)."""
+    """The prompts: a Zipf-popular document of about ``doc_tokens`` tokens (sized with the
+    model's own tokenizer: the tiny model serves 512 tokens at most) and a unique question
+    each (seeded)."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
     rng = random.Random(f"vllm-routing:{args.seed}")
-    docs = [
-        f"Document {d}: " + segment_bytes(1000 + d, args.doc_tokens * 4).decode()
-        for d in range(args.documents)
-    ]
+    docs = []
+    for d in range(args.documents):
+        words = [f"Document {d}:"]
+        while len(tok.encode(" ".join(words)).ids) < args.doc_tokens:
+            words.append(rng.choice(WORDS))
+        docs.append(" ".join(words))
     zipf = Zipf(args.documents, 1.0)
     return [
-        f"{docs[zipf.sample(rng)]}\nQuestion {i}: {segment_bytes(900_000 + i, 24).decode()}?"
+        f"{docs[zipf.sample(rng)]}\nQuestion {i}: what of the {rng.choice(WORDS)} and the "
+        f"{rng.choice(WORDS)}?"
         for i in range(args.requests)
     ]
 
@@ -210,16 +231,28 @@ def workload(args: argparse.Namespace) -> list[str]:
 def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -> dict:
     before = {e.name: e.counters() for e in engines}
     errors = 0
+    routes: list[str] = []
 
-    def send(prompt: str) -> bool:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
-        status, _ = http("POST", f"{router_url}/v1/completions", body, timeout=120)
-        return status == 200
+    def send(prompt: str) -> tuple[bool, str]:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        req = urllib.request.Request(
+            f"{router_url}/v1/completions",
+            data=body.encode(),
+            method="POST",
+            headers={"content-type": "application/json", "x-kvgate-debug": "1"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                resp.read()
+                return resp.status == 200, resp.headers.get("x-kvgate-route", "")
+        except HTTP_ERRORS:
+            return False, ""
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        for ok in pool.map(send, prompts):
+        for ok, route in pool.map(send, prompts):
             errors += not ok
+            routes.append(route)
     wall = time.monotonic() - t0
     time.sleep(1.0)
     after = {e.name: e.counters() for e in engines}
@@ -233,6 +266,7 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
         "max_engine_share": round(max(served.values()) / total, 4),
         "errors": errors,
         "wall_s": round(wall, 2),
+        "routes": routes,  # kvgate's x-kvgate-route per request, in order (others: empty)
     }
 
 
@@ -254,13 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--redis", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument(
+        "--profile",
+        default="vllm-cpu-tiny",
+        help="cost profile the bridges announce (kvgate/profiles; fit with bench/measure_vllm.py)",
+    )
     ap.add_argument("--kv-blocks", type=int, default=64, help="KV blocks per engine (32 tokens)")
     ap.add_argument("--documents", type=int, default=12)
     ap.add_argument("--doc-tokens", type=int, default=300)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--routers", default="e2,cache_aware,sglang-router")
+    ap.add_argument(
+        "--routers",
+        default="e2,cache_aware,sglang-router",
+        help="kvgate policy specs (e2, cache_aware, e2[work_weight=2], ...) and sglang-router",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULT)
     args = ap.parse_args(argv)
@@ -270,13 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_dir or not (Path(args.model_dir).parent / "run_vllm.sh").exists():
         print("needs --model-dir, a model with run_vllm.sh beside it", file=sys.stderr)
         return 2
-    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    if "sglang-router" in routers and shutil.which("sglang-router") is None:
-        with contextlib.suppress(ImportError):
-            import sglang_router
-        if "sglang_router" not in sys.modules:
-            print("sglang-router not installed: skipped (pip install sglang-router)")
-            routers.remove("sglang-router")
+    routers = list(_names(args.routers))
+    if "sglang-router" in routers and importlib.util.find_spec("sglang_router") is None:
+        print("sglang-router not installed: skipped (pip install sglang-router)")
+        routers.remove("sglang-router")
     prompts = workload(args)
     logs = args.out.parent / "vllm_routing_logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -288,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 reset_caches(engines)
                 tag = f"{router}-{k}"
                 cm = (
-                    sglang_router(engines, logs, tag)
+                    sglang_cache_aware(engines, logs, tag)
                     if router == "sglang-router"
                     else kvgate_router(engines, args, router, logs, tag)
                 )
