@@ -183,7 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Runs every routing policy in the simulator over workloads x rates x fleet "
         "sizes x fleet kinds (homogeneous; heterogeneous: every second engine slower). Rates "
         "are multiples of each combo's knee, the rate at which round robin first drops below "
-        "90%% SLO attainment (found by bisection). Prints progress and a table per combo, "
+        "90% SLO attainment (found by bisection). Prints progress and a table per combo, "
         "saves JSON after each combo, draws a heatmap per metric (e2 against the best other "
         "policy) and prints the verdicts. Defaults: the full matrix (under 30 min with --jobs 2 "
         "on the development machine); --quick runs a slice.",

@@ -547,6 +547,8 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
     cell_fail: list[str] = []
     paid: list[str] = []
     spread_fail: list[str] = []
+    over_13: list[str] = []
+    seeded = 0
     seed_fail: list[str] = []
     ratios_ca: list[float] = []
     ratios_rr: list[float] = []
@@ -575,11 +577,19 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
             rr = runs.get("round_robin")
             if rr is not None and rr["attainment"] < 0.9:
                 ratios_rr.append(_p99(rr) / _p99(me))
+            # the spread a cell's requests make on their own: round robin sends every engine
+            # the same count, so its busy-time spread is the sizes' sampling noise (1.5-2 for
+            # heavy-tailed prompts at 40 requests an engine); e2 is held to 1.3 or that floor
             lmm = me["load_max_mean"]
-            if lmm is not None and lmm > 1.3 and not (cmp["hit_rate"] > 0.01 and ok_att and ok_p99):
-                spread_fail.append(f"{name}: load max/mean {lmm:.2f}")
+            floor = max(1.3, (rr or {}).get("load_max_mean") or 0.0)
+            if lmm is not None and lmm > 1.3:
+                over_13.append(name)
+            hits_pay = cmp["hit_rate"] > 0.01 and ok_att and ok_p99
+            if lmm is not None and lmm > floor and not hits_pay:
+                spread_fail.append(f"{name}: load max/mean {lmm:.2f} (round robin {floor:.2f})")
             seeds = sorted({r["seed"] for r in cell["runs"]})
             if len(seeds) > 1:
+                seeded += 1
                 atts = [_by_policy(cell, s)[subject]["attainment"] for s in seeds]
                 if max(atts) - min(atts) > 0.01:
                     seed_fail.append(f"{name}: attainment {min(atts):.3f}..{max(atts):.3f}")
@@ -595,7 +605,9 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
         "geomean_p99_gain_vs_round_robin_below_90": round(gm_rr, 4) if gm_rr is not None else None,
         "round_robin_below_90_cells": len(ratios_rr),
         "load_spread_failed": spread_fail,
+        "load_over_1_3": over_13,  # before the floor and the hit-rate excuse
         "seed_spread_failed": seed_fail,
+        "seeded_cells": seeded,
         "passed": {
             "every_cell": not cell_fail,
             "geomean_vs_cache_aware": gm_ca is not None and gm_ca <= 0.8,
@@ -643,9 +655,16 @@ def format_verdict(v: dict) -> str:
         f"({v['round_robin_below_90_cells']} cells): "
         f"{v['geomean_p99_gain_vs_round_robin_below_90']} (>= 2: "
         f"{'PASS' if p['geomean_vs_round_robin'] else 'FAIL'})",
-        f"  load max/mean <= 1.3 unless hits pay: {'PASS' if p['load_spread'] else 'FAIL'} "
-        f"({len(v['load_spread_failed'])} failed)",
-        f"  attainment within 1 pt across seeds: {'PASS' if p['seeds'] else 'FAIL'}",
+        f"  load max/mean <= max(1.3, round robin's) unless hits pay: "
+        f"{'PASS' if p['load_spread'] else 'FAIL'} ({len(v['load_spread_failed'])} failed; "
+        f"{len(v.get('load_over_1_3', []))} cells over 1.3)",
+        "  attainment within 1 pt across seeds: "
+        + (
+            f"{'PASS' if p['seeds'] else 'FAIL'} ({v.get('seeded_cells', 0)} cells with "
+            f"several seeds)"
+            if v.get("seeded_cells")
+            else "not measured (one seed; run with --seeds 0,1,2)"
+        ),
     ]
     lines += [f"    cell: {c}" for c in v["cells_failed"]]
     lines += [f"    load: {c}" for c in v["load_spread_failed"]]
