@@ -117,8 +117,8 @@ class _Inflight:
         deadline: float = 0.0,
         tpot_slo_ms: float = 0.0,
         first_at: float = 0.0,
-        idle_prefill_ms: float = 0.0,
         engine_tokens: int = 0,
+        idle_prefill_ms: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
         self.t = t
@@ -133,8 +133,8 @@ class _Inflight:
         self.deadline = deadline
         self.tpot_slo_ms = tpot_slo_ms
         self.first_at = first_at
-        self.idle_prefill_ms = idle_prefill_ms
         self.engine_tokens = engine_tokens
+        self.idle_prefill_ms = idle_prefill_ms
 
 
 class _GroupWork:
