@@ -666,8 +666,8 @@ def format_verdict(v: dict) -> str:
         f"{len(v.get('load_over_1_3', []))} cells over 1.3)",
         "  attainment within 1 pt across seeds: "
         + (
-            f"{'PASS' if p['seeds'] else 'FAIL'} ({v.get('seeded_cells', 0)} cells with "
-            f"several seeds)"
+            f"{'PASS' if p['seeds'] else 'FAIL'} ({len(v['seed_spread_failed'])} of "
+            f"{v.get('seeded_cells', 0)} cells with several seeds over 1 pt)"
             if v.get("seeded_cells")
             else "not measured (one seed; run with --seeds 0,1,2)"
         ),
