@@ -28,7 +28,7 @@ from bench.metrics import RequestRecord
 from bench.sim.runner import SimConfig, build_world
 from bench.workloads import WorkloadOptions, build_workload, scale_rate
 from kvgate.cost_model import load_profile
-from router.cluster import ClusterConfig
+from router.cluster_state import ClusterConfig
 
 RESULT = Path("results/cost_fit.json")
 

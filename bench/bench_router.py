@@ -37,7 +37,7 @@ from kvgate import native
 from kvgate.runtime import tune_gc
 from kvgate.stats import percentile
 from router.api import RouteRequest
-from router.cluster import ClusterConfig
+from router.cluster_state import ClusterConfig
 from router.core import Router, RouterConfig
 from router.tree import RadixTree
 

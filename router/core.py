@@ -14,9 +14,11 @@ from typing import Any
 
 from broker.events import Envelope
 from router.api import Decision, EngineInfo, Outcome, RouteRequest
-from router.cluster import Cluster, ClusterConfig, View
+from router.cluster import Cluster
+from router.cluster_state import ClusterConfig
 from router.policies.base import Policy, RequestContext, Rng
 from router.policies.registry import make_policy
+from router.view import View
 
 NO_ENGINE_RETRY_S = 1.0
 

@@ -1,5 +1,5 @@
 """Radix tree of whole keys, reference-counted per engine: the router's own speculative and
-approximate cache entries (``router.cluster.Speculative``).
+approximate cache entries (``router.speculative.Speculative``).
 
 Why a tree of its own (block events go to :class:`router.tree.RadixTree`): an entry covers its
 whole key, so a node is held by an engine or not (no partial coverage, no LRU, no block index),

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from router.cluster import ClusterConfig
+from router.cluster_state import ClusterConfig
 from router.core import RouterConfig
 from router.policies.registry import POLICIES, PolicyError, make_policy
 

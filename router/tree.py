@@ -9,10 +9,10 @@ never a Python step per byte or per block, and the tree must fit in about 1.5x t
 * Engines hold prefix-closed sets of chains, so an engine's coverage of a node is one number:
   ``full`` (the set of engines holding the whole label) or ``partial[engine]`` (how many leading
   bytes of the label it holds). Matching intersects the ``full`` sets node by node (C speed).
-* Removals name block hashes, so a compact open-addressing table (:class:`_BlockIndex`, 16 bytes
-  per slot) maps a hash to (node, end depth, length). Splits keep the old node object as the
-  lower half, so a stored node reference is the node holding the block's last byte or one of its
-  descendants' ancestors: resolving walks up ``parent`` pointers.
+* Removals name block hashes, so a compact open-addressing table (:mod:`router.block_index`,
+  16 bytes per slot) maps a hash to (node, end depth, length). Splits keep the old node object
+  as the lower half, so a stored node reference is the node holding the block's last byte or one
+  of its descendants' ancestors: resolving walks up ``parent`` pointers.
 * Nodes no engine holds stay (for re-stores and statistics) until the byte budget or the idle
   time-to-live drops them, least recently used first.
 
@@ -29,24 +29,21 @@ sorted array per node); in a fleet of one block size they are every engine's own
 Limitation: when one block's bytes are a strict byte-prefix of a sibling block's bytes (never
 with fixed-size blocks), removing the shorter one drops the longer one too.
 
-The router's own speculative and approximate entries (whole keys, reference-counted) live in
-:class:`router.keytree.KeyTree`, not here.
+The node and the match result are :mod:`router.tree_node`. The router's own speculative and
+approximate entries (whole keys, reference-counted) live in :class:`router.keytree.KeyTree`, not
+here.
 """
 
 from __future__ import annotations
 
-import math
-from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-_SLACK = 64  # probe area past the hashed range, so probing never wraps
-_MAX_LOAD = 0.8
-_NID_BITS, _END_BITS, _LEN_BITS = 28, 24, 12
-_END_MASK = (1 << _END_BITS) - 1
-_LEN_MASK = (1 << _LEN_BITS) - 1
+from router.block_index import _BlockIndex
+from router.tree_node import Match, Node
+
 _EMPTY: frozenset[str] = frozenset()
 
 
@@ -73,239 +70,6 @@ def lcp_at(a: bytes | memoryview, ai: int, b: bytes, bi: int, n: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-class _BlockIndex:
-    """hash -> packed (node id, end depth, block length): linear probing over two ``array('Q')``.
-
-    Slot 0 of ``keys`` means empty; the few entries that do not fit the packing (hash 0, keys
-    over 16 MiB, blocks over 4 KiB, huge node ids) live in the ``wide`` dict instead.
-    """
-
-    __slots__ = ("_cap", "_count", "_keys", "_mask", "_vals", "wide")
-
-    def __init__(self, bits: int = 12) -> None:
-        self._alloc(bits)
-        self._count = 0
-        self.wide: dict[int, tuple[int, int, int]] = {}
-
-    def _alloc(self, bits: int) -> None:
-        self._cap = 1 << bits
-        self._mask = self._cap - 1
-        size = self._cap + _SLACK
-        self._keys = array("Q", bytes(8 * size))
-        self._vals = array("Q", bytes(8 * size))
-
-    def __len__(self) -> int:
-        return self._count + len(self.wide)
-
-    def nbytes(self) -> int:
-        return 16 * len(self._keys)
-
-    def get(self, h: int) -> tuple[int, int, int] | None:
-        """(node id, end depth, length) of block ``h``, or None."""
-        if h == 0:
-            return self.wide.get(h)
-        keys = self._keys
-        i = h & self._mask
-        while True:
-            k = keys[i]
-            if k == h:
-                v = self._vals[i]
-                return v >> (_END_BITS + _LEN_BITS), (v >> _LEN_BITS) & _END_MASK, v & _LEN_MASK
-            if k == 0:
-                return self.wide.get(h) if self.wide else None
-            i += 1
-
-    def put(self, h: int, nid: int, end: int, length: int) -> None:
-        """Insert or overwrite block ``h``."""
-        if h == 0 or end > _END_MASK or length > _LEN_MASK or nid >> _NID_BITS:
-            if h:
-                self._delete_slot(h)
-            self.wide[h] = (nid, end, length)
-            return
-        if self.wide:
-            self.wide.pop(h, None)
-        v = (nid << (_END_BITS + _LEN_BITS)) | (end << _LEN_BITS) | length
-        keys = self._keys
-        i = h & self._mask
-        while True:
-            k = keys[i]
-            if k == h:
-                self._vals[i] = v
-                return
-            if k == 0:
-                keys[i] = h
-                self._vals[i] = v
-                self._count += 1
-                if self._count > self._cap * _MAX_LOAD or i >= len(keys) - 2:
-                    self._rebuild(self._cap.bit_length())
-                return
-            i += 1
-
-    def delete(self, h: int) -> None:
-        """Remove ``h``."""
-        if self.wide:
-            self.wide.pop(h, None)
-        if h:
-            self._delete_slot(h)
-
-    def _delete_slot(self, h: int) -> None:
-        """Backward-shift deletion from the table: no tombstones."""
-        keys, vals, mask = self._keys, self._vals, self._mask
-        i = h & mask
-        while True:
-            k = keys[i]
-            if k == h:
-                break
-            if k == 0:
-                return
-            i += 1
-        j = i
-        while True:
-            j += 1
-            k = keys[j]
-            if k == 0:
-                break
-            if k & mask <= i:  # its home is at or before the hole: move it up
-                keys[i] = k
-                vals[i] = vals[j]
-                i = j
-        keys[i] = 0
-        vals[i] = 0
-        self._count -= 1
-
-    def items(self) -> list[tuple[int, int, int, int]]:
-        """Every (hash, node id, end, length); a copy, safe to mutate the index meanwhile."""
-        out = []
-        keys, vals = self._keys, self._vals
-        for i, k in enumerate(keys):
-            if k:
-                v = vals[i]
-                out.append(
-                    (k, v >> (_END_BITS + _LEN_BITS), (v >> _LEN_BITS) & _END_MASK, v & _LEN_MASK)
-                )
-        out.extend((h, *t) for h, t in self.wide.items())
-        return out
-
-    def _rebuild(self, bits: int) -> None:
-        """Re-hash into ``2**bits`` slots, growing further if a probe run would hit the end."""
-        old_keys, old_vals = self._keys, self._vals
-        while True:
-            self._alloc(bits)
-            if self._fill(old_keys, old_vals):
-                return
-            bits += 1
-
-    def _fill(self, old_keys: array, old_vals: array) -> bool:
-        keys, vals, mask = self._keys, self._vals, self._mask
-        last = len(keys) - 2
-        count = 0
-        for idx, k in enumerate(old_keys):
-            if k:
-                i = k & mask
-                while keys[i]:
-                    i += 1
-                if i >= last:
-                    return False
-                keys[i] = k
-                vals[i] = old_vals[idx]
-                count += 1
-        self._count = count
-        return True
-
-
-class Node:
-    """One compressed edge: ``label`` bytes starting at key depth ``start``."""
-
-    __slots__ = (
-        "children",
-        "dead",
-        "end",
-        "ends",
-        "full",
-        "hits",
-        "hits_t",
-        "label",
-        "last_access",
-        "nid",
-        "parent",
-        "partial",
-        "start",
-    )
-
-    def __init__(self, label: bytes, parent: Node | None, start: int, nid: int, now: float):
-        self.label = label
-        self.parent = parent
-        self.start = start
-        self.end = start + len(label)
-        self.nid = nid
-        self.children: dict[int, Node] | None = None
-        self.full: set[str] | None = None
-        self.partial: dict[str, int] | None = None
-        self.last_access = now
-        self.hits = 0.0
-        self.hits_t = now
-        self.dead = False
-        # end depths (absolute key positions) of the blocks whose last byte is in this label,
-        # ascending: where an engine's reusable prefix can end (match floors to them)
-        self.ends: array | None = None
-
-    def add_end(self, depth: int) -> None:
-        """Record that a block ends at key depth ``depth`` (inside this label)."""
-        ends = self.ends
-        if ends is None:
-            self.ends = array("I", (depth,))
-        elif not ends or ends[-1] < depth:
-            ends.append(depth)
-        else:
-            i = bisect_left(ends, depth)
-            if ends[i] != depth:
-                ends.insert(i, depth)
-
-    def floor_end(self, depth: int) -> int:
-        """The greatest block end in this label at or before ``depth`` (-1: none)."""
-        ends = self.ends
-        if not ends:
-            return -1
-        if ends[-1] <= depth:
-            return ends[-1]
-        i = bisect_right(ends, depth)
-        return ends[i - 1] if i else -1
-
-    def coverage(self, engine: str) -> int:
-        """How many leading bytes of the label ``engine`` holds."""
-        if self.full and engine in self.full:
-            return len(self.label)
-        if self.partial:
-            return self.partial.get(engine, 0)
-        return 0
-
-    def held(self) -> bool:
-        return bool(self.full) or bool(self.partial)
-
-    def hit_count(self, now: float, tau: float) -> float:
-        """Requests that used this prefix, decayed with time constant ``tau`` (the window)."""
-        return self.hits * math.exp(-max(now - self.hits_t, 0.0) / tau)
-
-
-@dataclass(slots=True)  # __init__ written out: see router.api's docstring
-class Match:
-    """Result of :meth:`RadixTree.match`: matched bytes per engine and the nodes walked."""
-
-    per_engine: dict[str, int]
-    path: list[Node] = field(default_factory=list)
-    depth: int = 0  # bytes of the key present in the tree at all (held or not)
-
-    def __init__(
-        self, per_engine: dict[str, int], path: list[Node] | None = None, depth: int = 0
-    ) -> None:
-        self.per_engine = per_engine
-        self.path = [] if path is None else path  # (the field's default_factory)
-        self.depth = depth
-
-    def best(self) -> int:
-        return max(self.per_engine.values(), default=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.cluster import ClusterConfig
+from router.cluster_state import ClusterConfig
 from router.core import Router, RouterConfig
 from router.policies.base import Rng
 

@@ -27,7 +27,7 @@ from bench.workloads import Request, WorkloadOptions, build_workload, describe, 
 from engine.core import EngineCore, EngineRequest, SchedulerConfig
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
 from router.api import Decision, RouteRequest
-from router.cluster import ClusterConfig
+from router.cluster_state import ClusterConfig
 from router.core import Router
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,11 @@ from broker.events import (
 from engine_reporter.hashing import chain_hashes, split_blocks
 from kvgate.slo import Slo
 from router.api import RouteRequest
-from router.cluster import ClusterConfig, View, _ExpiryQueue, _LoadOrder
+from router.cluster_state import ClusterConfig, _LoadOrder
 from router.core import Router, RouterConfig
 from router.policies.base import Move
+from router.speculative import _ExpiryQueue
+from router.view import View
 
 BLOCK = 64
 

@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_reporter.hashing import block_hash
-from router.tree import RadixTree, _BlockIndex, lcp_at
+from router.block_index import _BlockIndex
+from router.tree import RadixTree, lcp_at
 
 ENGINES = ("e0", "e1", "e2")
 BLOCK = 3  # fixed-size blocks, as real engines cache

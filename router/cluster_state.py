@@ -1,0 +1,357 @@
+"""The state of :class:`router.cluster.Cluster` and its read side: its configuration, the
+engine registry, the engines' :class:`EngineView` snapshots, the eligible sets per model and the
+engines kept ordered by load. Split from the code that folds events and decisions in
+(:mod:`router.cluster`) so that :class:`router.view.View`, what policies read, depends on the
+state only."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
+from router.api import EngineInfo, RouteRequest
+from router.engine_state import _Engine, _GroupWork, _Inflight
+from router.policies.base import LOAD_MODES, EngineView
+from router.policies.feasibility import next_decode_step_ms
+from router.speculative import Speculative
+from router.tree import RadixTree
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Windows, TTLs and budgets of the cluster state (seconds, bytes)."""
+
+    window_s: float = 180.0  # Preble's load and prefix-statistics window
+    hit_window_s: float = 30.0  # prefill/decode balance window
+    heartbeat_ttl_s: float = 15.0  # an engine with no heartbeat for this long is dead
+    inflight_timeout_s: float = 600.0  # forget a routed request nobody reported on
+    tree_budget_bytes: int = 1 << 30
+    speculative_ttl_s: float = 10.0  # routed key assumed cached on a reporting engine
+    # ... and once its request ended (its KV events may still be on their way), this long
+    speculative_grace_s: float = 1.0
+    approximate_ttl_s: float = 600.0  # ... on an engine without KV events (approximate mode)
+    approximate: bool = False  # treat every engine as reporter-less (tree from decisions)
+    speculative_max_entries: int = 100_000
+    group_bytes: int = 1024  # prefix group = hash of the key's first bytes
+    tpot_samples: int = 200
+    tpot_seed_ms: float = 150.0
+    default_profile: str = "mistral-7b-a6000"
+    # fit each engine's real prefill/decode speed from its reports (kvgate.cost_model.SpeedFit);
+    # off: trust the announced profiles (the ablation of docs/router.md)
+    fit_speed: bool = True
+
+
+class _LoadOrder:
+    """Engine ids sorted by ``(load, seq)`` (``seq``: registration order, unique), in three
+    parallel lists searched by a typed binary search: a plain list with memmove inserts beats a
+    tree at cluster sizes, and comparing two floats and two ints beats ``bisect`` over
+    ``(load, seq, id)`` tuples (generic tuple comparisons), measured ~3 us a decision at 64
+    engines."""
+
+    __slots__ = ("ids", "loads", "seqs")
+
+    def __init__(self) -> None:
+        self.loads: list[float] = []
+        self.seqs: list[int] = []
+        self.ids: list[str] = []  # the order
+
+    def _position(self, load: float, seq: int) -> int:
+        """Index of the first entry not below ``(load, seq)`` (as ``bisect_left``)."""
+        if load != load:  # NaN (a broken cost profile): filed last, as +inf, so it orders
+            load = math.inf
+        loads, seqs = self.loads, self.seqs
+        lo, hi = 0, len(loads)
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            x = loads[mid]
+            if x < load or (x == load and seqs[mid] < seq):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def insert(self, load: float, seq: int, engine_id: str) -> None:
+        i = self._position(load, seq)
+        self.loads.insert(i, load if load == load else math.inf)
+        self.seqs.insert(i, seq)
+        self.ids.insert(i, engine_id)
+
+    def remove(self, load: float, seq: int, engine_id: str) -> None:
+        """Remove ``engine_id``'s entry, filed under ``(load, seq)``."""
+        i = self._position(load, seq)
+        if i >= len(self.ids) or self.ids[i] != engine_id:  # (never: a lookup by id, then)
+            i = self.ids.index(engine_id)
+        del self.loads[i]
+        del self.seqs[i]
+        del self.ids[i]
+
+
+class ClusterState:
+    """Everything the router knows (see :mod:`router.cluster`) and how it is read; events,
+    decisions and time are folded in by its subclass :class:`router.cluster.Cluster`."""
+
+    def __init__(self, config: ClusterConfig | None = None, *, load_mode: str = "window") -> None:
+        """``load_mode``: which L the engines are ordered and viewed by (``EngineView.load_ms``):
+        ``window`` (Preble's 3-minute history) or ``outstanding`` (in-flight work only);
+        ``EngineView.window_ms`` is always the windowed one (rebalancing moves window work)."""
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, not {load_mode!r}")
+        self.config = config or ClusterConfig()
+        self.load_mode = load_mode
+        self._load_of = _Engine.window_ms if load_mode == "window" else _Engine.outstanding_ms
+        c = self.config
+        self.tree = RadixTree(budget_bytes=c.tree_budget_bytes, idle_ttl_s=c.window_s)
+        self.tree.hit_tau_s = c.window_s
+        self.spec = Speculative(c.speculative_max_entries)
+        self.engines: dict[str, _Engine] = {}
+        self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
+        self._load: deque[list] = deque()  # [t, engine, group, prefill_ms, out_tokens]
+        self._ttfts: dict[int, deque] = {}  # group -> (t, ttft_ms)
+        self._ttft_order: deque[tuple[float, int]] = deque()
+        self._hits: deque[tuple[float, str, int, int]] = deque()  # (t, engine, matched, key len)
+        self._next_sweep = 0.0
+        # model -> (eligible engines, valid until, membership version, their cost profiles)
+        self._eligible: dict[str, tuple[dict[str, _Engine], float, int, tuple]] = {}
+        self._membership = 0  # bumped whenever the eligible sets may change
+        # model -> (its eligible set, those engines, their views): candidates() patches the
+        # few views that changed instead of re-reading every engine from the set
+        self._candidate_views: dict[str, tuple[dict[str, _Engine], list[_Engine], list]] = {}
+        # every engine by (L_i, seq), kept sorted: explore and rebalancing read the few least
+        # (or most) loaded engines instead of scoring all; re-keyed lazily (_load_dirty)
+        self._by_load = _LoadOrder()
+        # the same by the windowed L (rebalancing); the same order when that is L
+        self._by_window = self._by_load if load_mode == "window" else _LoadOrder()
+        self._load_dirty: dict[str, _Engine] = {}
+        # model -> (eligible set, exclude, the engine with the fewest routed, its count)
+        self._min_routed: dict[str, tuple[dict, frozenset[str], _Engine, int]] = {}
+        self._overrides: dict[int, tuple[str, float]] = {}
+        self._replicas: dict[int, tuple[frozenset[str], float]] = {}
+        self.events: dict[str, int] = {}
+        self.unknown_profiles = 0
+        self.moves = 0
+        self.replications = 0
+        self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
+
+    # ------------------------------------------------------------------ engines
+
+    @property
+    def inflight_count(self) -> int:
+        """Requests routed and not yet finished, rejected or timed out."""
+        return len(self._inflight)
+
+    def _engine(self, engine_id: str) -> _Engine:
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            eng = _Engine(engine_id, self._profile(self.config.default_profile))
+            eng.tpot_ms = self.config.tpot_seed_ms
+            eng.seq = len(self.engines)
+            self.engines[engine_id] = eng
+            self._load_dirty[engine_id] = eng
+        return eng
+
+    def _profile(self, name: str) -> CostProfile:
+        try:
+            return load_profile(name)
+        except ProfileError:
+            self.unknown_profiles += 1
+            return default_profile()
+
+    def add_static_engine(
+        self, engine_id: str, url: str, models: Iterable[str], profile: str
+    ) -> None:
+        eng = self._engine(engine_id)
+        eng.static = True
+        eng.url = url
+        eng.models = tuple(models)
+        eng.profile = self._profile(profile)
+        eng.view = None
+        self._membership += 1  # (also: the eligible set's profiles are cached with it)
+
+    def set_draining(self, engine_id: str, draining: bool) -> None:
+        eng = self._engine(engine_id)
+        eng.draining = draining
+        eng.view = None
+        self._membership += 1
+
+    def reset_engine(self, engine_id: str, now: float) -> None:
+        """Forget what ``engine_id`` caches (its events will rebuild it)."""
+        self.tree.clear_engine(engine_id)
+        self.spec.clear_engine(engine_id)
+        eng = self.engines.get(engine_id)
+        if eng is not None:
+            eng.view = None
+
+    def infos(self, now: float) -> list[EngineInfo]:
+        ttl = self.config.heartbeat_ttl_s
+        return [
+            EngineInfo(
+                engine_id=e.engine_id,
+                url=e.url,
+                models=e.models,
+                alive=e.alive(now, ttl),
+                draining=e.draining,
+                profile=e.profile.name,
+                static=e.static,
+            )
+            for e in sorted(self.engines.values(), key=lambda e: e.engine_id)
+            if e.url
+        ]
+
+    # ------------------------------------------------------------------ groups
+
+    def _note_group(self, eng: _Engine, group: int, work: _GroupWork) -> None:
+        """``work`` (group ``group`` of ``eng``) just grew: it leads if it now outweighs the
+        heaviest (only a lighter or a removed leader, or a new TPOT, loses the answer)."""
+        if not eng.top_known:
+            return
+        top = eng.top_work
+        if top is not None and top is not work:
+            load = work.load_ms(eng.tpot_ms)
+            lead = top.load_ms(eng.tpot_ms)
+            if load < lead or (load == lead and group > eng.top_group):
+                return
+        eng.top_work = work
+        eng.top_group = group
+
+    def heaviest_group(self, eng: _Engine) -> tuple[int, _GroupWork] | None:
+        """``eng``'s heaviest group by (windowed load, lower id), from what was kept or, when
+        that was lost, by one typed scan (which keeps it again)."""
+        if not eng.top_known:
+            tpot = eng.tpot_ms
+            best: _GroupWork | None = None
+            best_group = 0
+            best_load = 0.0
+            for g, w in eng.groups.items():
+                load = w.load_ms(tpot)
+                if best is None or load > best_load or (load == best_load and g < best_group):
+                    best, best_group, best_load = w, g, load
+            eng.top_work, eng.top_group, eng.top_known = best, best_group, True
+        top = eng.top_work
+        return None if top is None else (eng.top_group, top)
+
+    # ------------------------------------------------------------------ views
+
+    def engine_view(self, eng: _Engine) -> EngineView:
+        v = eng.view
+        if v is None:
+            p = eng.profile
+            hb = eng.heartbeat
+            capacity = (hb.kv_blocks_total if hb else p.kv_blocks) * p.block_bytes
+            used = hb.kv_blocks_used * p.block_bytes if hb else 0
+            held = self.tree.held_bytes.get(eng.engine_id, 0)
+            v = eng.view = EngineView(
+                engine_id=eng.engine_id,
+                url=eng.url,
+                profile=p,
+                inflight=eng.inflight,
+                load_ms=self._load_of(eng),
+                window_ms=eng.window_ms(),
+                tpot_ms=eng.tpot_ms,
+                hit_ratio=eng.hit_matched / eng.hit_total if eng.hit_total else 0.0,
+                free_bytes=max(capacity - max(held, used), 0),
+                pending_prefill_tokens=max(eng.pending_prefill_tokens, 0),
+                routed_total=eng.routed_total,
+                rate_per_s=eng.rate,
+                prefill_rate=eng.prefill_rate,
+                rate_t=eng.rate_t,
+                heartbeat=hb,
+                queued_prefill_ms=p.prefill_ms(
+                    max(eng.open_prefill_tokens, 0) + eng.foreign_prefill_tokens
+                )
+                * eng.speed.prefill,
+                next_decode_step_ms=next_decode_step_ms(
+                    p, hb, eng.open_ctx_tokens, max(eng.inflight, 0)
+                ),
+                open_ctx_tokens=max(eng.open_ctx_tokens, 0.0),
+                position=eng.seq,
+                prefill_scale=eng.speed.prefill,
+                decode_scale=eng.speed.decode,
+                decoding=len(eng.decoding),
+                decode_ctx_tokens=max(eng.decode_ctx, 0.0),
+                decode_tpot_min_ms=min(eng.decode_tpots) if eng.decode_tpots else math.inf,
+            )
+        return v
+
+    def candidates(self, req: RouteRequest, now: float) -> list[EngineView]:
+        """Engines that may take ``req``: alive, serving its model, not draining or excluded.
+
+        The eligible set per model is cached until an engine joins, leaves, drains or could
+        reach its heartbeat TTL (the earliest such moment), so a decision costs one cheap pass."""
+        eligible = self.eligible(req.model, now)
+        if req.exclude:
+            return [
+                e.view or self.engine_view(e)
+                for e in eligible.values()
+                if e.engine_id not in req.exclude
+            ]
+        kept = self._candidate_views.get(req.model)
+        if kept is None or kept[0] is not eligible:  # the eligible set changed: start over
+            engines = list(eligible.values())
+            views = [e.view or self.engine_view(e) for e in engines]
+            self._candidate_views[req.model] = (eligible, engines, views)
+            return views.copy()
+        _, engines, views = kept
+        for i in range(len(engines)):  # typed: re-read only the views that changed
+            v = engines[i].view
+            if v is None:
+                views[i] = self.engine_view(engines[i])
+            elif v is not views[i]:
+                views[i] = v
+        return views.copy()  # (a decision keeps its list: a snapshot, never patched later)
+
+    def eligible(self, model: str, now: float) -> dict[str, _Engine]:
+        """Engines alive, serving ``model`` and not draining (cached, see :meth:`candidates`)."""
+        return self._eligible_entry(model, now)[0]
+
+    def eligible_profiles(self, model: str, now: float) -> tuple[CostProfile, ...]:
+        """The distinct cost profiles of :meth:`eligible` (cached with it)."""
+        return self._eligible_entry(model, now)[3]
+
+    def _eligible_entry(
+        self, model: str, now: float
+    ) -> tuple[dict[str, _Engine], float, int, tuple[CostProfile, ...]]:
+        entry = self._eligible.get(model)
+        if entry is None or now > entry[1] or entry[2] != self._membership:
+            ttl = self.config.heartbeat_ttl_s
+            out = {}
+            profiles: dict[str, CostProfile] = {}
+            until = float("inf")
+            for eng in self.engines.values():
+                if eng.url and not eng.draining and eng.alive(now, ttl) and eng.serves(model):
+                    out[eng.engine_id] = eng
+                    profiles.setdefault(eng.profile.name, eng.profile)
+                    if not eng.static:
+                        until = min(until, eng.last_heartbeat + ttl)
+            entry = (out, until, self._membership, tuple(profiles.values()))
+            self._eligible[model] = entry
+        return entry
+
+    def _sync_loads(self) -> None:
+        """Re-key the engines whose L changed since the last decision in ``_by_load`` (and
+        ``_by_window``)."""
+        dirty = self._load_dirty
+        if not dirty:
+            return
+        by_load = self._by_load
+        by_window = self._by_window
+        load_of = self._load_of
+        for eng in dirty.values():
+            load = load_of(eng)
+            key = eng.load_key
+            if key is None or load != key:  # (a request routed and released: often equal)
+                if key is not None:
+                    by_load.remove(key, eng.seq, eng.engine_id)
+                eng.load_key = load
+                by_load.insert(load, eng.seq, eng.engine_id)
+            if by_window is not by_load:
+                load = eng.window_ms()
+                key = eng.window_key
+                if key is None or load != key:
+                    if key is not None:
+                        by_window.remove(key, eng.seq, eng.engine_id)
+                    eng.window_key = load
+                    by_window.insert(load, eng.seq, eng.engine_id)
+        dirty.clear()

@@ -1,0 +1,163 @@
+"""The cluster's per-engine and per-request records (cluster-internal: policies get
+:class:`router.policies.base.EngineView` snapshots), kept apart from the code that folds events
+and decisions into them (:mod:`router.cluster`) and the code that reads them
+(:mod:`router.cluster_state`, :mod:`router.view`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from broker.events import LoadHeartbeat
+from kvgate.cost_model import CostProfile, SpeedFit
+from router.policies.base import EngineView
+
+
+@dataclass(slots=True)  # __init__ written out: see router.api's docstring
+class _Inflight:
+    """A request the router sent and has not seen finish."""
+
+    engine_id: str
+    t: float
+    group: int
+    missed_tokens: int
+    pending: bool = True  # not yet seen in the engine's queue
+    first_token: bool = False
+    prefill_ms: float = 0.0  # its L entry's prefill part (outstanding until the first token)
+    out_tokens: int = 0  # its output tokens (outstanding until it ends)
+    ctx_tokens: float = 0.0  # input + output / 2: its mean context while decoding (EstTPOT)
+    spec: int = 0  # its speculative entry (settled when it ends, on engines reporting KV)
+    deadline: float = 0.0  # when its first token is due (router time: S-EDF's order)
+    tpot_slo_ms: float = 0.0  # its TPOT SLO (the engine's decode step budget while it decodes)
+    first_at: float = 0.0  # router time of its first token
+    engine_tokens: int = 0  # its prefill tokens as the engine counted them (RequestEnqueued)
+    # its prefill time on the engine's profile when it found nothing ahead of it there (its
+    # TTFT then shows the engine's prefill speed, for engines that do not report it); else 0
+    idle_prefill_ms: float = 0.0
+
+    def __init__(
+        self,
+        engine_id: str,
+        t: float,
+        group: int,
+        missed_tokens: int,
+        pending: bool = True,
+        first_token: bool = False,
+        prefill_ms: float = 0.0,
+        out_tokens: int = 0,
+        ctx_tokens: float = 0.0,
+        spec: int = 0,
+        deadline: float = 0.0,
+        tpot_slo_ms: float = 0.0,
+        first_at: float = 0.0,
+        engine_tokens: int = 0,
+        idle_prefill_ms: float = 0.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.t = t
+        self.group = group
+        self.missed_tokens = missed_tokens
+        self.pending = pending
+        self.first_token = first_token
+        self.prefill_ms = prefill_ms
+        self.out_tokens = out_tokens
+        self.ctx_tokens = ctx_tokens
+        self.spec = spec
+        self.deadline = deadline
+        self.tpot_slo_ms = tpot_slo_ms
+        self.first_at = first_at
+        self.engine_tokens = engine_tokens
+        self.idle_prefill_ms = idle_prefill_ms
+
+
+class _GroupWork:
+    """One prefix group's work on one engine in the window: what rebalancing weighs and moves
+    (typed fields, not a list: the rebalancing check reads them after most decisions)."""
+
+    __slots__ = ("entries", "out_tokens", "prefill_ms", "requests")
+
+    def __init__(self) -> None:
+        self.prefill_ms = 0.0
+        self.out_tokens = 0
+        self.requests = 0
+        self.entries: deque[list] = deque()  # its entries of ClusterState._load, oldest first
+
+    def load_ms(self, tpot_ms: float) -> float:
+        """Its share of Preble's windowed L on an engine decoding at ``tpot_ms``."""
+        return self.prefill_ms + self.out_tokens * tpot_ms
+
+
+@dataclass(slots=True)
+class _Engine:
+    """Mutable per-engine state (cluster-internal; policies get :class:`EngineView`)."""
+
+    engine_id: str
+    profile: CostProfile
+    url: str = ""
+    models: tuple[str, ...] = ()
+    epoch: str = ""
+    static: bool = False
+    draining: bool = False
+    heartbeat: LoadHeartbeat | None = None
+    last_heartbeat: float = -1e18
+    reports_kv: bool = False
+    inflight: int = 0
+    pending_prefill_tokens: int = 0
+    routed_total: int = 0
+    load_prefill_ms: float = 0.0
+    load_out_tokens: float = 0.0
+    open_prefill_ms: float = 0.0  # prefill of in-flight requests without a first token yet
+    open_out_tokens: int = 0  # output tokens of in-flight requests
+    open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens
+    # in-flight requests without a first token: request id -> (deadline, missed tokens, their
+    # prefill time at the engine's speed in s, when it presumably ended (engines that send no
+    # request events; else inf))
+    open_prefill: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
+    reports_requests: bool = False  # it sends request events (enqueued, first token, ...)
+    open_prefill_tokens: int = 0  # their sum of missed tokens
+    groups: dict[int, _GroupWork] = field(default_factory=dict)
+    tpots: deque = field(default_factory=deque)
+    tpot_ms: float = 150.0
+    hit_matched: int = 0
+    hit_total: int = 0
+    view: EngineView | None = None
+    seq: int = 0  # registration order: the order of the eligible sets (ties break on it)
+    # the heaviest group in ``groups`` by (load, lower id), kept as work is added (see
+    # ClusterState._note_group); None with top_known: no group; not top_known: find it by a scan
+    top_work: _GroupWork | None = None
+    top_group: int = 0
+    top_known: bool = True
+    load_key: float | None = None  # the L it is filed under in ClusterState._by_load
+    window_key: float | None = None  # ... in ClusterState._by_window
+    speed: SpeedFit = field(default_factory=SpeedFit)  # its fitted prefill/decode speed
+    # the router's requests decoding there (past their first token): what the engine's decode
+    # step runs, so what prefill's share of the GPU is (router.policies.feasibility)
+    decoding: dict[str, _Inflight] = field(default_factory=dict)
+    decode_ctx: float = 0.0  # their summed context
+    decode_tpots: dict[float, int] = field(default_factory=dict)  # their TPOT SLOs, counted
+    # queued prefill the last heartbeat reported beyond this router's requests queued there
+    # at that moment (another router's): charged to every request until the next heartbeat.
+    # (Not "reported queue minus open requests now": a heartbeat is up to a period old, and
+    # the requests whose prefill ended since would count as someone else's work.) Counted in
+    # the engine's own tokens (``enqueued_tokens``: its RequestEnqueued), which differ from the
+    # router's where the router credits a prefix the engine has not cached yet.
+    foreign_prefill_tokens: int = 0
+    enqueued_tokens: int = 0
+    rate: float = 0.0  # requests/s routed here recently (RATE_TAU_S), as of rate_t
+    prefill_rate: float = 0.0  # ms of their prefill (at its speed) per s, as of rate_t
+    rate_t: float = 0.0
+
+    def window_ms(self) -> float:
+        """Preble's L_i as defined: windowed prefill work + windowed output tokens x TPOT_i."""
+        return max(self.load_prefill_ms, 0.0) + max(self.load_out_tokens, 0) * self.tpot_ms
+
+    def outstanding_ms(self) -> float:
+        """L_i over the work still to do: prefill of the in-flight requests that have no first
+        token yet + their output tokens x TPOT_i (the same terms, only for open requests)."""
+        return max(self.open_prefill_ms, 0.0) + max(self.open_out_tokens, 0) * self.tpot_ms
+
+    def alive(self, now: float, ttl: float) -> bool:
+        return bool(self.url) and (self.static or now - self.last_heartbeat <= ttl)
+
+    def serves(self, model: str) -> bool:
+        return not model or not self.models or model in self.models

@@ -1,0 +1,299 @@
+"""What a policy reads for one decision: :class:`View`, over the cluster state
+(:class:`router.cluster_state.ClusterState`), never changing it beyond its read caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from kvgate.cost_model import CostProfile
+from router.cluster_state import ClusterState
+from router.engine_state import _Engine, _GroupWork
+from router.policies.base import EngineView, GroupLoad, Rng
+
+
+class View:
+    """Read-only access for one decision (implements ``router.policies.base.ClusterView``)."""
+
+    __slots__ = (
+        "_cluster",
+        "_eligible",
+        "_exclude",
+        "_model",
+        "_now",
+        "confirmed",
+        "engines",
+        "matched",
+        "rng",
+    )
+
+    def __init__(
+        self,
+        cluster: ClusterState,
+        engines: list[EngineView],
+        matched: Mapping[str, int],
+        rng: Rng,
+        *,
+        model: str = "",
+        exclude: frozenset[str] = frozenset(),
+        now: float = 0.0,
+        confirmed: Mapping[str, int] | None = None,
+    ) -> None:
+        self._cluster = cluster
+        self.engines = engines
+        self.matched = matched
+        self.confirmed = matched if confirmed is None else confirmed
+        self.rng = rng
+        self._eligible = cluster.eligible(model, now)
+        self._exclude = exclude
+        self._model = model
+        self._now = now
+
+    def engine(self, engine_id: str) -> EngineView | None:
+        eng = self._eligible.get(engine_id)
+        if eng is None or engine_id in self._exclude:
+            return None
+        return eng.view or self._cluster.engine_view(eng)
+
+    def by_load(self) -> Iterator[EngineView]:
+        """Candidates by ``(load_ms, position)``, ascending (``position`` is the registration
+        order, the order of :attr:`engines`). Lazy: reading the first few costs a few steps, not
+        a pass over every engine (the most loaded: :meth:`load_extremes`)."""
+        cl = self._cluster
+        cl._sync_loads()
+        eligible = self._eligible
+        exclude = self._exclude
+        view = cl.engine_view
+        for engine_id in cl._by_load.ids:
+            eng = eligible.get(engine_id)
+            if eng is not None and engine_id not in exclude:
+                yield eng.view or view(eng)
+
+    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
+        """The least and the most loaded candidates by ``load_ms`` (``window``: ``window_ms``),
+        equal loads resolved to the lowest position for both (as ``min``/``max`` over
+        :attr:`engines`); None without candidates. Direct index walks from both ends of the
+        sorted order: rebalancing asks after every decision, and two generators (one over a
+        ``reversed`` list) cost more than the answer."""
+        cl = self._cluster
+        cl._sync_loads()
+        order = cl._by_window if window else cl._by_load
+        ids = order.ids
+        loads = order.loads
+        eligible = self._eligible
+        exclude = self._exclude
+        n = len(ids)
+        i = 0
+        least: _Engine | None = None
+        while i < n:
+            least = eligible.get(ids[i])
+            if least is not None and (not exclude or ids[i] not in exclude):
+                break
+            least = None
+            i += 1
+        if least is None:
+            return None
+        j = n - 1
+        busiest = least
+        while j > i:
+            eng = eligible.get(ids[j])
+            if eng is not None and (not exclude or ids[j] not in exclude):
+                busiest = eng
+                break
+            j -= 1
+        top = loads[j]
+        k = j - 1
+        while k >= i and loads[k] == top:  # equal loads sort by position: the first of them
+            eng = eligible.get(ids[k])
+            if eng is not None and (not exclude or ids[k] not in exclude):
+                busiest = eng
+            k -= 1
+        return (
+            least.view or cl.engine_view(least),
+            busiest.view or cl.engine_view(busiest),
+        )
+
+    def min_routed(self) -> int:
+        """The fewest requests ever routed to one candidate (E2's warm-up). Counts only grow,
+        so the minimum is cached per eligible set and recomputed only when its holder moved."""
+        cl = self._cluster
+        cached = cl._min_routed.get(self._model)
+        if (
+            cached is not None
+            and cached[0] is self._eligible
+            and cached[1] == self._exclude
+            and cached[2].routed_total == cached[3]
+        ):
+            return cached[3]
+        low: _Engine | None = None
+        exclude = self._exclude
+        for eng in self._eligible.values():
+            if eng.engine_id not in exclude and (
+                low is None or eng.routed_total < low.routed_total
+            ):
+                low = eng
+        if low is None:
+            return 0
+        cl._min_routed[self._model] = (self._eligible, exclude, low, low.routed_total)
+        return low.routed_total
+
+    def profiles(self) -> tuple[CostProfile, ...]:
+        """The distinct cost profiles among the candidates (or a superset)."""
+        return self._cluster.eligible_profiles(self._model, self._now)
+
+    def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
+        """Prefill time of what ``ev``'s S-EDF prefill scheduler serves before a request due at
+        ``deadline``: this router's open requests there (no first token yet) due no later that
+        can still make their own deadline (S-EDF runs a request whose slack is negative last,
+        and rejects it while it waits: under overload most of a queue is such work), plus the
+        queued work it cannot attribute to them (``_Engine.foreign_prefill_tokens``: another
+        router's requests), charged in full."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None:
+            return ev.queued_prefill_ms
+        return self.prefill_queue(ev, deadline)[0]
+
+    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
+        """:meth:`prefill_ahead_ms`, and how many of the router's requests queued there are
+        due later (a request due at ``deadline`` would delay them by its own prefill)."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None:
+            return ev.queued_prefill_ms, 0
+        now = self._now
+        scale = ev.prefill_scale
+        ahead = eng.foreign_prefill_tokens
+        behind = 0
+        for due, tokens, prefill_s, done in eng.open_prefill.values():
+            if done <= now:
+                continue  # (an engine without request events: presumably prefilled by now)
+            if due <= deadline:
+                if due - now >= prefill_s:
+                    ahead += tokens
+            else:
+                behind += 1
+        return (ev.profile.prefill_ms(ahead) * scale if ahead > 0 else 0.0), behind
+
+    def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
+        """How long until ``count`` of the router's requests decoding on ``ev`` have finished
+        (freeing room in SCORPIO's VBS admission): each one's remaining output tokens at the
+        engine's measured TPOT, the ``count``-th soonest; beyond the requests decoding now,
+        each further one takes a mean decode time divided by the batch (0: none decodes)."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None or not eng.decoding or count <= 0:
+            return 0.0
+        tpot = eng.tpot_ms
+        left = sorted(
+            max(rec.out_tokens * tpot - (now - rec.first_at) * 1000.0, tpot)
+            for rec in eng.decoding.values()
+        )
+        if count <= len(left):
+            return left[count - 1]
+        n = len(left)
+        mean_ms = sum(rec.out_tokens for rec in eng.decoding.values()) * tpot / n
+        return left[-1] + (count - n) * mean_ms / n
+
+    def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
+        """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``
+        are freed; each evicted prefix costs ``hit count (decayed over the window) x miss rate x
+        prefill time of its tokens``, the miss rate being ``1 / holders`` (a prefix other
+        engines also hold is cheaper to lose here). Beyond ``max_scan`` nodes the cost of the
+        scanned part is extrapolated."""
+        if need_bytes <= 0:
+            return 0.0
+        cl = self._cluster
+        eng = cl.engines.get(engine_id)
+        if eng is None:
+            return 0.0
+        p = eng.profile
+        speed = eng.speed.prefill
+        tree = cl.tree
+        tau = tree.hit_tau_s
+        freed = 0
+        cost = 0.0
+        for i, node in enumerate(tree.lru_nodes(engine_id)):
+            if i >= max_scan:
+                return cost * need_bytes / max(freed, 1)
+            size = node.coverage(engine_id)
+            holders = (len(node.full) if node.full else 0) + (
+                len(node.partial) if node.partial else 0
+            )
+            hits = node.hit_count(now, tau)
+            if hits > 0.0:
+                tokens = p.cached_tokens_for_bytes(size)
+                context = p.cached_tokens_for_bytes(node.start)
+                cost += hits / max(holders, 1) * p.prefill_ms(tokens, context) * speed
+            freed += size
+            if freed >= need_bytes:
+                break
+        return cost
+
+    def override(self, group: int) -> str | None:
+        o = self._cluster._overrides.get(group)
+        return o[0] if o is not None else None
+
+    def replicas(self, group: int) -> frozenset[str]:
+        r = self._cluster._replicas.get(group)
+        return r[0] if r is not None else frozenset()
+
+    def groups_on(self, engine_id: str, min_requests: int = 1) -> Iterator[GroupLoad]:
+        """Heaviest first (equal loads: the lower group id first), a GroupLoad only for each
+        group read. Groups rebalanced to another engine are left out (their work here is
+        history: new requests go there), and so are groups under ``min_requests``. Why: a hot
+        prefix spread over many engines and moved from one leaves history on all the others;
+        the busiest of them then lists only such groups, and rebalancing, which runs after
+        every decision while it stays the busiest, popped them all each time (~30 us a
+        decision at 70 groups, measured)."""
+        eng = self._cluster.engines.get(engine_id)
+        if eng is None:
+            return
+        tpot = eng.tpot_ms
+        overrides = self._cluster._overrides
+
+        def listed(g: int, w: _GroupWork) -> bool:
+            if w.requests < min_requests or w.requests <= 0:
+                return False
+            o = overrides.get(g) if overrides else None
+            return o is None or o[0] == engine_id
+
+        # the heaviest: usually known without reading the groups (a scan of 80 groups cost
+        # ~30 us when they were out of the CPU's caches); rebalancing usually reads one
+        # group and stops
+        found = False
+        best = 0
+        best_load = 0.0
+        top = self._cluster.heaviest_group(eng)
+        if top is not None and listed(top[0], top[1]):
+            found, best, best_load = True, top[0], top[1].load_ms(tpot)
+        if not found:  # the heaviest is left out: one typed pass, no allocation
+            for g, w in eng.groups.items():
+                if listed(g, w):
+                    load = w.load_ms(tpot)
+                    if not found or load > best_load or (load == best_load and g < best):
+                        found, best, best_load = True, g, load
+        if not found:
+            return
+        yield GroupLoad(best, best_load, eng.groups[best].requests)
+        # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
+        # without generic rich comparisons), group id ascending, then stably by load descending
+        groups: list[int] = []
+        loads: list[float] = []
+        requests: list[int] = []
+        for g, w in eng.groups.items():
+            if g != best and listed(g, w):
+                groups.append(g)
+                loads.append(w.load_ms(tpot))
+                requests.append(w.requests)
+        order = sorted(range(len(groups)), key=groups.__getitem__)
+        order.sort(key=loads.__getitem__, reverse=True)
+        for i in order:
+            yield GroupLoad(groups[i], loads[i], requests[i])
+
+    def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
+        dq = self._cluster._ttfts.get(group)
+        if not dq:
+            return 0.0, 0.0
+        mid = now - self._cluster.config.window_s / 2
+        first = [v for t, v in dq if t < mid]
+        second = [v for t, v in dq if t >= mid]
+        if len(first) < 2 or len(second) < 2:
+            return 0.0, 0.0
+        return sum(first) / len(first), sum(second) / len(second)
