@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from broker.events import (
+    ROLES,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -44,7 +45,16 @@ from broker.events import (
     RequestStarted,
 )
 from engine_reporter.hashing import block_hash
-from kvgate.cost_model import CostProfile, ProfileError, SpeedFit, default_profile, load_profile
+from kvgate.cost_model import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_KV_LINK_GBPS,
+    CostProfile,
+    KvLink,
+    ProfileError,
+    SpeedFit,
+    default_profile,
+    load_profile,
+)
 from router.api import EngineInfo, RouteRequest
 from router.keytree import KeyNode, KeyTree
 from router.policies.base import LOAD_MODES, EngineView, GroupLoad, Move, Rng
@@ -78,6 +88,10 @@ class ClusterConfig:
     # fit each engine's real prefill/decode speed from its reports (kvgate.cost_model.SpeedFit);
     # off: trust the announced profiles (the ablation of docs/router.md)
     fit_speed: bool = True
+    # prefill/decode disaggregation: the fleet's KV size per token and the link between a
+    # prefill and a decode engine (kvgate.cost_model.KvLink; fitted online with fit_speed)
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    kv_link_gbps: float = DEFAULT_KV_LINK_GBPS
 
 
 @dataclass(slots=True)  # __init__ written out: see router.api's docstring
@@ -213,6 +227,7 @@ class _Engine:
     rate: float = 0.0  # requests/s routed here recently (RATE_TAU_S), as of rate_t
     prefill_rate: float = 0.0  # ms of their prefill (at its speed) per s, as of rate_t
     rate_t: float = 0.0
+    role: str = "both"  # prefill, decode or both (its heartbeat's, or configured)
 
     def window_ms(self) -> float:
         """Preble's L_i as defined: windowed prefill work + windowed output tokens x TPOT_i."""
@@ -443,6 +458,10 @@ class Cluster:
         self.moves = 0
         self.replications = 0
         self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
+        self.kv = KvLink(c.kv_bytes_per_token, c.kv_link_gbps)
+        self.roled = 0  # engines whose role is not "both": 0 is a colocated fleet
+        # model -> (its eligible set, decode-only ids, prefill-only ids among it)
+        self._role_split: dict[str, tuple[dict[str, _Engine], frozenset[str], frozenset[str]]] = {}
 
     # ------------------------------------------------------------------ engines
 
@@ -469,15 +488,37 @@ class Cluster:
             return default_profile()
 
     def add_static_engine(
-        self, engine_id: str, url: str, models: Iterable[str], profile: str
+        self, engine_id: str, url: str, models: Iterable[str], profile: str, role: str = "both"
     ) -> None:
         eng = self._engine(engine_id)
+        self._set_role(eng, role)
         eng.static = True
         eng.url = url
         eng.models = tuple(models)
         eng.profile = self._profile(profile)
         eng.view = None
         self._membership += 1  # (also: the eligible set's profiles are cached with it)
+
+    def _set_role(self, eng: _Engine, role: str) -> None:
+        if role == eng.role:
+            return
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        self.roled += (role != "both") - (eng.role != "both")
+        eng.role = role
+        eng.view = None
+        self._membership += 1
+
+    def role_split(self, model: str, now: float) -> tuple[frozenset[str], frozenset[str]]:
+        """The eligible engines that only decode and those that only prefill (cached with the
+        eligible set)."""
+        eligible = self.eligible(model, now)
+        kept = self._role_split.get(model)
+        if kept is None or kept[0] is not eligible:
+            decode = frozenset(e for e, eng in eligible.items() if eng.role == "decode")
+            prefill = frozenset(e for e, eng in eligible.items() if eng.role == "prefill")
+            kept = self._role_split[model] = (eligible, decode, prefill)
+        return kept[1], kept[2]
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         eng = self._engine(engine_id)
@@ -504,6 +545,7 @@ class Cluster:
                 draining=e.draining,
                 profile=e.profile.name,
                 static=e.static,
+                role=e.role,
             )
             for e in sorted(self.engines.values(), key=lambda e: e.engine_id)
             if e.url
@@ -539,6 +581,8 @@ class Cluster:
                 self._membership += 1  # the eligible sets cache their profiles
             if now - eng.last_heartbeat > self.config.heartbeat_ttl_s:
                 self._membership += 1  # (re)joins the eligible sets
+            if ev.role != eng.role:
+                self._set_role(eng, ev.role)
             eng.heartbeat = ev
             eng.last_heartbeat = now
             own = eng.enqueued_tokens if eng.reports_requests else eng.open_prefill_tokens
@@ -569,6 +613,8 @@ class Cluster:
             self._not_pending(ev.request_id)
             rec = self._inflight.get(ev.request_id)
             self._fit_prefill(eng, ev, rec)
+            if ev.kv_transfer_ms is not None and ev.kv_transfer_tokens and self.config.fit_speed:
+                self.kv.observe(ev.kv_transfer_tokens, ev.kv_transfer_ms)
             if rec is not None and not rec.first_token:
                 rec.first_token = True
                 rec.first_at = now
@@ -985,6 +1031,7 @@ class Cluster:
                 decoding=len(eng.decoding),
                 decode_ctx_tokens=max(eng.decode_ctx, 0.0),
                 decode_tpot_min_ms=min(eng.decode_tpots) if eng.decode_tpots else math.inf,
+                role=eng.role,
             )
         return v
 
@@ -1243,6 +1290,9 @@ class View:
     def profiles(self) -> tuple[CostProfile, ...]:
         """The distinct cost profiles among the candidates (or a superset)."""
         return self._cluster.eligible_profiles(self._model, self._now)
+
+    def kv_transfer_ms(self, tokens: float) -> float:
+        return self._cluster.kv.transfer_ms(tokens)
 
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         """Prefill time of what ``ev``'s S-EDF prefill scheduler serves before a request due at

@@ -30,6 +30,7 @@ PURE_MODULES = [
     "router/cluster.py",
     "router/core.py",
     "router/wire.py",
+    "router/pd.py",
     "bench/sim/loop.py",
     "bench/sim/world.py",
     "bench/metrics.py",
