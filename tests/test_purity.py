@@ -31,6 +31,7 @@ PURE_MODULES = [
     "router/core.py",
     "router/wire.py",
     "router/pd.py",
+    "kvgate/kv_transfer.py",
     "bench/sim/loop.py",
     "bench/sim/world.py",
     "bench/metrics.py",
