@@ -120,6 +120,29 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
     g.add_argument(
         "--ingress-ms-per-mb", type=float, default=0.0, help="client -> router, ms per MB of key"
     )
+    g.add_argument(
+        "--roles",
+        type=parse_roles,
+        default=None,
+        metavar="ROLE:N,...",
+        help="prefill/decode disaggregation: engines by role in order, e.g. prefill:4,decode:4 "
+        "(their sum is the engine count; default: every engine both)",
+    )
+    g.add_argument("--kv-link-gbps", type=float, default=100.0, help="KV link, Gb/s")
+    g.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV size per token")
+
+
+def parse_roles(spec: str) -> tuple[str, ...]:
+    """``prefill:2,decode:2`` -> each engine's role, in order."""
+    out: list[str] = []
+    for part in spec.split(","):
+        role, _, n = part.strip().partition(":")
+        if role not in ("both", "prefill", "decode") or not n.isdigit():
+            raise argparse.ArgumentTypeError(f"--roles {spec!r}: expected ROLE:N,... ")
+        out += [role] * int(n)
+    if not out:
+        raise argparse.ArgumentTypeError("--roles: no engine")
+    return tuple(out)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -271,8 +294,12 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
     from bench.sim.runner import SimConfig
     from bench.sim.world import LinkConfig
 
+    roles = getattr(args, "roles", None)
     return SimConfig(
-        engines=args.engines,
+        engines=len(roles) if roles else args.engines,
+        roles=roles,
+        kv_link_gbps=getattr(args, "kv_link_gbps", 100.0),
+        kv_bytes_per_token=getattr(args, "kv_bytes_per_token", 131_072),
         profile=args.profile,
         link=LinkConfig(
             link_delay_s=args.link_delay,

@@ -72,9 +72,9 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
     if kind in ("st", "pe"):
         return [kind, env.ts, ev.request_id]
     if kind == "ft":
-        if ev.prefill_ms is None:
+        if ev.prefill_ms is None and ev.kv_transfer_ms is None:
             return [kind, env.ts, ev.request_id, ev.ttft_ms]
-        return [
+        rec = [
             kind,
             env.ts,
             ev.request_id,
@@ -83,6 +83,9 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
             ev.prefill_tokens,
             ev.context_tokens,
         ]
+        if ev.kv_transfer_ms is not None:
+            rec += (ev.kv_transfer_ms, ev.kv_transfer_tokens)
+        return rec
     if kind == "fi":
         return [kind, env.ts, ev.request_id, ev.output_tokens, ev.ttft_ms, ev.tpot_ms]
     if kind == "rj":
@@ -102,9 +105,10 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
             list(ev.models),
             *(
                 ()
-                if ev.decode_step_ms is None
+                if ev.decode_step_ms is None and ev.role == "both"
                 else (ev.decode_step_ms, ev.decode_batch, ev.decode_context)
             ),
+            *(() if ev.role == "both" else (ev.role,)),
         ]
     raise CodecError(f"cannot encode event kind {kind!r}")
 
@@ -234,7 +238,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 3, "pe")
         return RequestPreempted(rec[2]), offset
     if kind == "ft":
-        _arity(rec, 4, "ft", optional=3)
+        _arity(rec, 4, "ft", optional=5)
         return FirstToken(*rec[2:]), offset
     if kind == "fi":
         _arity(rec, 6, "fi")
@@ -243,7 +247,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 4, "rj")
         return RequestRejected(rec[2], rec[3]), offset
     if kind == "hb":
-        _arity(rec, 11, "hb", optional=3)
+        _arity(rec, 11, "hb", optional=4)
         models = rec[10]
         if not isinstance(models, list):
             raise CodecError("hb: models must be a list")

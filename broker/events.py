@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 U64_MAX = (1 << 64) - 1
+# an engine's part in a prefill/decode disaggregated fleet (LoadHeartbeat.role)
+ROLES: tuple[str, ...] = ("both", "prefill", "decode")
 
 
 class EventError(ValueError):
@@ -156,7 +158,9 @@ class FirstToken:
     :class:`kvgate.cost_model.SpeedFit`): ``prefill_ms``, the execution time of the prefill
     batches that computed this request's prompt (not the time it waited, nor decode steps in
     between); ``prefill_tokens``, the new tokens of those batches (its own and its batch
-    mates'); ``context_tokens``, its cached tokens when its prefill began."""
+    mates'); ``context_tokens``, its cached tokens when its prefill began. On a decode engine
+    that took the prompt's KV from a prefill engine: ``kv_transfer_ms``, how long moving
+    ``kv_transfer_tokens`` tokens of KV took (routers fit the link's real speed from them)."""
 
     KIND: ClassVar[str] = "ft"
     request_id: str
@@ -164,11 +168,16 @@ class FirstToken:
     prefill_ms: float | None = None
     prefill_tokens: int | None = None
     context_tokens: int | None = None
+    kv_transfer_ms: float | None = None
+    kv_transfer_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_text("request_id", self.request_id)
         _check_ms("ttft_ms", self.ttft_ms)
         _check_ms("prefill_ms", self.prefill_ms, optional=True)
+        _check_ms("kv_transfer_ms", self.kv_transfer_ms, optional=True)
+        if self.kv_transfer_tokens is not None:
+            _check_count("kv_transfer_tokens", self.kv_transfer_tokens)
         if self.prefill_tokens is not None:
             _check_count("prefill_tokens", self.prefill_tokens)
         if self.context_tokens is not None:
@@ -228,7 +237,10 @@ class LoadHeartbeat:
     Optional, over the decode steps since the previous heartbeat (None: none ran, or unknown):
     ``decode_step_ms`` their mean duration, ``decode_batch`` their mean batch size and
     ``decode_context`` the mean context of their requests, in tokens (routers fit the engine's
-    real decode speed from them).
+    real decode speed from them). ``role`` is what the engine is for in a prefill/decode
+    disaggregated fleet (:data:`ROLES`): ``prefill`` engines compute prompts and hand the KV
+    on, ``decode`` engines take a prompt's KV from a prefill engine and generate, ``both``
+    (colocated, the default) run whole requests.
     """
 
     KIND: ClassVar[str] = "hb"
@@ -244,8 +256,11 @@ class LoadHeartbeat:
     decode_step_ms: float | None = None
     decode_batch: float | None = None
     decode_context: float | None = None
+    role: str = "both"
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise EventError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("decode_step_ms", "decode_batch", "decode_context"):
             _check_ms(name, getattr(self, name), optional=True)
         for name in (

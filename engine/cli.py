@@ -54,6 +54,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reject-status", type=int, choices=(429, 503), default=429)
     parser.add_argument("--heartbeat-s", type=float, default=0.2)
+    parser.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="part in a prefill/decode disaggregated fleet (docs/router.md); default: both",
+    )
+    parser.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=100.0,
+        help="simulated link a decode engine pulls a prompt's KV over (Gb/s)",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token", type=int, default=131_072, help="simulated KV size per token"
+    )
     parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     fit = sub.add_parser("fit-profile", help="fit a cost profile JSON from measured timings")
@@ -130,6 +145,9 @@ async def _serve(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
         chat_template=args.chat_template,
         reject_status=args.reject_status,
+        role=args.role,
+        kv_link_gbps=args.kv_link_gbps,
+        kv_bytes_per_token=args.kv_bytes_per_token,
     )
     runner, url = await serve(config, broker, host=args.host, port=args.port)
     log.info("engine %s serving %s on %s (policy %s)", args.engine_id, args.model, url, args.policy)

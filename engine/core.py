@@ -117,9 +117,11 @@ class EngineCore(SchedBook):
         *,
         policy: str = "slo",
         config: SchedulerConfig | None = None,
+        role: str = "both",
     ) -> None:
         super().__init__(profile, config or SchedulerConfig())
         self.engine_id = engine_id
+        self.role = role  # announced in heartbeats (broker.events.ROLES)
         self.policy = make_policy(policy)
         self.cache = PrefixCache(profile.kv_blocks, profile.block_bytes)
         self._states: dict[str, ReqState] = {}
@@ -263,7 +265,22 @@ class EngineCore(SchedBook):
             models,
             kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
             kv_blocks_total=self.profile.kv_blocks,
+            role=self.role,
         )
+
+    def receive_kv(self, key: bytes, now: float) -> bool:
+        """A prompt's KV arrived from a prefill engine (disaggregation): its whole blocks join
+        the prefix cache (announced as stored), as vLLM's connectors write pulled blocks into
+        cached ones; a request for that prompt submitted next computes only its last token.
+        False when the cache has no room for them (the request then computes them itself)."""
+        hashes = self.cache.key_hashes(key)
+        holder = f"\x00kv-in-{self._seq}"
+        if not hashes or self.cache.reserve(holder, hashes, 0, now) is None:
+            return False
+        self.cache.commit(holder, key, now)
+        self.cache.release(holder, now)
+        self._events.extend(self.cache.drain_events())
+        return True
 
     # ------------------------------------------------------------------ introspection
 
@@ -396,6 +413,8 @@ class EngineCore(SchedBook):
                     prefill_ms=work[0],
                     prefill_tokens=int(work[1]),
                     context_tokens=st.cached_tokens,
+                    kv_transfer_ms=st.req.kv_transfer_ms,
+                    kv_transfer_tokens=st.req.kv_transfer_tokens,
                 )
             )
             if st.req.output_tokens <= 1:

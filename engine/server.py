@@ -31,6 +31,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import HttpVersion11, web
@@ -42,6 +43,13 @@ from engine.scheduler.state import SchedulerConfig
 from engine.text import tokens_text
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
 from kvgate.fast_metrics import FastCollector, FastHistogram
+from kvgate.kv_transfer import PARAM as KV_PARAM
+from kvgate.kv_transfer import (
+    RemoteKv,
+    prefill_answer_params,
+    remote_prefill,
+    wants_remote_decode,
+)
 from kvgate.logs import request_id_var
 from kvgate.openai_request import ChatTemplate, ParsedRequest, RequestError, parse_request
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES, Slo
@@ -74,6 +82,12 @@ class EngineServerConfig:
     chat_template: str | None = None  # model folder or .jinja file; None = canonical rendering
     reject_status: int = 429  # status of an SLO rejection (429 or 503)
     max_body_bytes: int = 64 * 1024 * 1024
+    # prefill/decode disaggregation (kvgate.kv_transfer): the engine's announced role, and
+    # the simulated link a decode engine pulls a prompt's KV over
+    role: str = "both"
+    kv_link_gbps: float = 100.0
+    kv_bytes_per_token: int = 131_072
+    kv_lease_s: float = 30.0  # how long a prefill engine keeps KV nobody has pulled
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -91,8 +105,15 @@ class EngineServer:
         self.config = config
         self.profile: CostProfile = load_profile(config.profile)
         self.core = EngineCore(
-            config.engine_id, self.profile, policy=config.policy, config=config.scheduler
+            config.engine_id,
+            self.profile,
+            policy=config.policy,
+            config=config.scheduler,
+            role=config.role,
         )
+        # prefill engine: request id -> (prompt tokens, when its KV is dropped unpulled)
+        self.kv_leases: dict[str, tuple[int, float]] = {}
+        self._kv_client: object | None = None
         self.default_slo: Slo = SLO_CLASSES[config.default_slo]
         self.template = (
             ChatTemplate.from_path(config.chat_template) if config.chat_template else None
@@ -138,6 +159,50 @@ class EngineServer:
         if self.reporter is not None:
             self._publish()
             await self.reporter.close()
+        if self._kv_client is not None:
+            await self._kv_client.close()  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ KV handover
+
+    def lease_kv(self, request_id: str, tokens: int) -> None:
+        """A prefill for a remote decode ended: keep its KV for a reader (expired ones go)."""
+        now = self.now()
+        for rid in [r for r, (_, until) in self.kv_leases.items() if until <= now]:
+            del self.kv_leases[rid]
+        self.kv_leases[request_id] = (tokens, now + self.config.kv_lease_s)
+
+    def take_kv(self, request_id: str) -> int | None:
+        """A decode engine reads a leased KV (once, as vLLM frees it after the read)."""
+        lease = self.kv_leases.pop(request_id, None)
+        if lease is None or lease[1] <= self.now():
+            return None
+        return lease[0]
+
+    async def pull_kv(self, remote: RemoteKv, key: bytes) -> tuple[int, float] | None:
+        """Read a prompt's KV from the prefill engine that holds it: (tokens, ms) once it has
+        crossed the simulated link and joined this engine's prefix cache; None when the
+        prefill engine is gone or no longer holds it."""
+        import aiohttp
+
+        if self._kv_client is None:
+            self._kv_client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
+        client: aiohttp.ClientSession = self._kv_client  # type: ignore[assignment]
+        start = self.now()
+        url = f"http://{remote.host}:{remote.port}/kvgate/kv/{remote.request_id}"
+        try:
+            async with client.get(url) as resp:
+                if resp.status != 200:
+                    return None
+                tokens = (await resp.json()).get("tokens")
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        if type(tokens) is not int or tokens < 0:
+            return None
+        cfg = self.config
+        await asyncio.sleep(tokens * cfg.kv_bytes_per_token * 8.0 / (cfg.kv_link_gbps * 1e9))
+        self._dispatch(self.core.advance(self.now()))
+        self.core.receive_kv(key, self.now())
+        return tokens, (self.now() - start) * 1000.0
 
     def now(self) -> float:
         """The engine's clock: monotonic, sub-microsecond, read fresh (see the module doc)."""
@@ -415,22 +480,49 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
                 RequestError(f"request id {rid!r} is already in flight", param=REQUEST_ID_HEADER)
             )
         assert isinstance(body, dict)
+        arrival = server.now()
+        try:
+            remote = remote_prefill(body)
+        except RequestError as exc:
+            return _error(exc)
+        keep_kv = wants_remote_decode(body)
+        if keep_kv and parsed.stream:
+            return _error(
+                RequestError("a prefill for a remote decode is unary: set stream to false")
+            )
         output_tokens = (
-            parsed.hint.output_tokens or parsed.max_tokens or server.config.default_max_tokens
+            1
+            if keep_kv
+            else parsed.hint.output_tokens or parsed.max_tokens or server.config.default_max_tokens
         )
+        moved: tuple[int, float] | None = None
+        if remote is not None:
+            moved = await server.pull_kv(remote, parsed.key)
+            if moved is None:
+                return _error(
+                    RequestError(
+                        f"could not read the prompt's KV of request {remote.request_id!r} "
+                        f"from engine {remote.engine_id!r}",
+                        status=503,
+                        code="kv_transfer_failed",
+                        type_="server_error",
+                    )
+                )
         req = EngineRequest(
             request_id=rid,
             key=parsed.key,
             input_tokens=_prompt_tokens(server, parsed, body),
             output_tokens=output_tokens,
             slo=parsed.slo,
-            arrival=server.now(),
+            arrival=arrival,
+            kv_transfer_ms=None if moved is None else moved[1],
+            kv_transfer_tokens=None if moved is None else moved[0],
         )
         queue = server.submit(req, request)
         try:
             if parsed.stream:
                 return await _stream(request, server, parsed, rid, queue)
-            return await _unary(request, server, parsed, rid, queue)
+            return await _unary(request, server, parsed, rid, queue, keep_kv)
         finally:
             server.cancel(rid)  # no-op when it finished; frees everything when the client left
     finally:
@@ -454,6 +546,7 @@ async def _unary(
     parsed: ParsedRequest,
     rid: str,
     queue: asyncio.Queue[Output | None],
+    keep_kv: bool = False,
 ) -> web.Response:
     parts: list[str] = []
     while True:
@@ -465,7 +558,20 @@ async def _unary(
         if out.times:
             parts.append(tokens_text(rid, out.index, len(out.times)))
         if out.usage is not None:
-            resp = _json(_full_body(parsed, rid, "".join(parts), out.usage))
+            answer = _full_body(parsed, rid, "".join(parts), out.usage)
+            if keep_kv:  # a prefill for a remote decode: say where the KV waits
+                server.lease_kv(rid, out.usage.prompt_tokens)
+                where = urlsplit(server.url)
+                blocks = -(-out.usage.prompt_tokens // server.profile.block_tokens)
+                answer[KV_PARAM] = prefill_answer_params(
+                    server.config.engine_id,
+                    rid,
+                    where.hostname or "127.0.0.1",
+                    where.port or 80,
+                    list(range(blocks)),
+                    out.usage.prompt_tokens,
+                )
+            resp = _json(answer)
             await resp.prepare(request)
             await resp.write_eof()  # the whole answer is on the socket now
             server.record_drift(out.times[-1:], server.now())
@@ -780,7 +886,17 @@ def create_app(config: EngineServerConfig, broker: object | None = None) -> web.
     for path in ("/model_info", "/get_model_info"):
         app.router.add_get(path, _model_info)
     app.router.add_get("/get_load", _load)
+    app.router.add_get("/kvgate/kv/{request_id}", _kv_read)
     return app
+
+
+async def _kv_read(request: web.Request) -> web.Response:
+    """A decode engine reads a prompt's KV this (prefill) engine keeps for it."""
+    server = request.app[ENGINE_KEY]
+    tokens = server.take_kv(request.match_info["request_id"])
+    if tokens is None:
+        return _json({"error": {"message": "no such KV here", "type": "not_found"}}, 404)
+    return _json({"tokens": tokens})
 
 
 async def serve(

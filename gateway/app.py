@@ -54,11 +54,13 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from kvgate.kv_transfer import decode_body, prefill_body, returned_params
 from kvgate.logs import AccessLog, LogOnce, request_id_var
 from kvgate.openai_request import ChatTemplate, Endpoint, RequestError, parse_request
 from kvgate.slo import Slo
 from kvgate.slo_forward import forward_body
 from router.api import Decision, EngineInfo, Outcome, RouteRequest, RoutingService
+from router.pd import decode_id
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -75,12 +77,15 @@ class _Access:
     sets only: the line is built once, at the end, and only when the log is on)."""
 
     __slots__ = (
+        "decode_engine",
+        "decode_wait_s",
         "detail",
         "engine",
         "error",
         "matched_bytes",
         "model",
         "policy",
+        "prefill_s",
         "reason",
         "retries",
         "slo",
@@ -104,6 +109,9 @@ class _Access:
         self.upstream_status: int | None = None
         self.error: str | None = None
         self.ttft_s: float | None = None
+        self.decode_engine: str | None = None  # disaggregated: the decode engine (last tried)
+        self.prefill_s: float | None = None  # ... the prefill phase (its engine's answer)
+        self.decode_wait_s: float | None = None  # ... the decode request to its first byte
 
     def fields(self, path: str, status: int, duration_s: float) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -127,6 +135,12 @@ class _Access:
             out["failed_engines"] = sorted(self.tried)
         if self.error is not None:
             out["upstream_error"] = self.error
+        if self.decode_engine is not None:
+            out["decode_engine"] = self.decode_engine
+            out["prefill_ms"] = None if self.prefill_s is None else round(self.prefill_s * 1e3, 3)
+            out["decode_first_byte_ms"] = (
+                None if self.decode_wait_s is None else round(self.decode_wait_s * 1e3, 3)
+            )
         return out
 
 
@@ -162,6 +176,27 @@ DrainHook = Callable[[str, bool], None]
 class _Route:
     endpoint: Endpoint
     path: str
+
+
+@dataclass(slots=True)
+class _TwoPhase:
+    """One disaggregated request as it goes through its phases (``Gateway._two_phase``)."""
+
+    request: Request
+    route: _Route
+    body: dict[str, Any]  # the client's body as forwarded (SLO fields included)
+    rid: str
+    decision: Decision  # the pair (a decode retry replaces it)
+    debug: bool
+    start: float
+    access: _Access
+    model: str
+    key: bytes
+    input_tokens: int
+    max_tokens: int
+    slo: Slo
+    session: str | None
+    decode_started: float = 0.0
 
 
 class Gateway:
@@ -557,8 +592,10 @@ class Gateway:
         max_tokens = parsed.max_tokens or parsed.hint.output_tokens or cfg.default_max_tokens
         rid_b = rid.encode("utf-8", "surrogateescape")
         headers = self._forward_headers(request, rid_b)
+        fbody = body
         if cfg.forward_slo != "none":  # the SLO where vLLM's scheduler sees it
-            raw = orjson.dumps(forward_body(body, parsed.slo, rid, cfg.forward_slo))
+            fbody = forward_body(body, parsed.slo, rid, cfg.forward_slo)
+            raw = orjson.dumps(fbody)
         m = self.metrics
         tried: set[str] = set()
         for attempt in range(cfg.max_retries + 1):
@@ -605,6 +642,18 @@ class Gateway:
             engine_id = decision.engine_id
             assert engine_id is not None
             url = decision.url or self.pool.engines[engine_id].url
+            if decision.disaggregated:
+                pd = _TwoPhase(
+                    request, route, fbody, rid, decision, debug, start, access,
+                    parsed.model, parsed.key, input_tokens, max_tokens, parsed.slo,
+                    parsed.session,
+                )  # fmt: skip
+                result = await self._two_phase(pd, attempt == cfg.max_retries, tried)
+                if result is not None:
+                    return result
+                access.tried = tried
+                self.metrics.retries.labels("upstream_failure").inc()
+                continue
             result = await self._forward(
                 request,
                 route,
@@ -626,6 +675,151 @@ class Gateway:
             access.tried = tried
             self.metrics.retries.labels("upstream_failure").inc()
         raise AssertionError("unreachable: the last attempt always answers")
+
+    async def _two_phase(
+        self, pd: _TwoPhase, last: bool, tried: set[str]
+    ) -> Response | StreamResponse | None:
+        """A disaggregated request (``kvgate.kv_transfer``): the prefill on the prefill engine
+        (one token, its KV kept for a remote decode), then the client's own request with the
+        returned ``kv_transfer_params`` on the decode engine, relayed as usual. None: retry the
+        pair (engines that failed are in ``tried``). A decode engine that cannot be reached is
+        replaced by another for the same prefill (its KV still waits); one that answers 5xx
+        (the KV is gone, or it broke) makes the caller run the prefill again."""
+        decision = pd.decision
+        prefill = decision.engine_id
+        assert prefill is not None and self.upstream is not None
+        url = decision.url or self.pool.engines[prefill].url
+        got = await self._prefill(pd, prefill, url, last)
+        if got is None:
+            tried.add(prefill)
+            return None
+        if not isinstance(got, dict):
+            return got  # the prefill engine's own error (4xx), or the last attempt's 502
+        params = got.get("params")
+        cfg = self.config
+        dec_rid = decode_id(pd.rid)
+        headers = self._forward_headers(pd.request, dec_rid.encode("utf-8", "surrogateescape"))
+        raw = orjson.dumps(decode_body(pd.body, params))
+        decode_tried: set[str] = set()
+        for attempt in range(cfg.max_retries + 1):
+            engine_id = decision.decode_engine_id
+            assert engine_id is not None
+            if engine_id not in self.pool.engines:
+                self.pool.merge_router_list(
+                    [EngineInfo(engine_id, decision.decode_url or "", (pd.model,), True)]
+                )
+            d_url = decision.decode_url or self.pool.engines[engine_id].url
+            pd.access.decode_engine = engine_id
+            pd.access.error = None
+            t0 = time.perf_counter()
+            pd.decode_started = t0
+            final = last and attempt == cfg.max_retries
+            result = await self._forward(
+                pd.request,
+                pd.route,
+                raw,
+                headers,
+                engine_id,
+                d_url,
+                pd.rid,
+                pd.rid.encode("utf-8", "surrogateescape"),
+                decision,
+                pd.debug,
+                pd.start,
+                final,
+                pd.access,
+                pd,
+            )
+            if result is not None:
+                return result
+            if pd.access.error != "connect":
+                return None  # 5xx or a broken answer: run the prefill again
+            decode_tried.add(engine_id)
+            tried.add(engine_id)
+            self.metrics.retries.labels("decode_failure").inc()
+            now = time.monotonic()
+            retry = await self.decide(
+                RouteRequest(
+                    request_id=pd.rid,
+                    model=pd.model,
+                    key=pd.key,
+                    input_tokens=pd.input_tokens,
+                    max_tokens=pd.max_tokens,
+                    slo=pd.slo,
+                    session=pd.session,
+                    exclude=self.pool.blocked(now) | tried,
+                    prefilled_on=prefill,
+                )
+            )
+            if retry.shed or not retry.disaggregated:
+                return None  # no decode engine for this prefill: the pair again
+            decision = pd.decision = retry
+        return None
+
+    async def _prefill(
+        self, pd: _TwoPhase, engine_id: str, url: str, last: bool
+    ) -> dict | Response | None:
+        """The prefill phase: ``{"params": the returned kv_transfer_params or None}``, the
+        engine's own 4xx answer, a 502 on the last attempt, or None to retry elsewhere."""
+        assert self.upstream is not None
+        t0 = time.perf_counter()
+        self.pool.started(engine_id, time.monotonic())
+        rid_b = pd.rid.encode("utf-8", "surrogateescape")
+        error = ""
+        try:
+            target = self.upstream.target(url, pd.route.path)
+            upstream = await self.upstream.request(
+                target,
+                b"POST",
+                self._forward_headers(pd.request, rid_b),
+                orjson.dumps(prefill_body(pd.body)),
+            )
+            try:
+                status = upstream.status
+                out_headers = self._response_headers(upstream, rid_b, pd.decision, pd.debug)
+                data = await upstream.read()
+            finally:
+                upstream.close()
+        except asyncio.CancelledError:
+            self._client_gone(engine_id, pd.rid)
+            raise
+        except (UpstreamError, ValueError) as exc:
+            kind = "connect" if isinstance(exc, (UpstreamConnectError, ValueError)) else "read"
+            pd.access.error = kind
+            self._upstream_failed(engine_id, pd.rid, kind, str(exc))
+            error = f"prefill engine {engine_id} failed: {exc}"
+        else:
+            pd.access.upstream_status = status
+            if status >= 500:
+                pd.access.error = f"http_{status}"
+                self._upstream_failed(engine_id, pd.rid, f"http_{status}", "5xx")
+                error = f"prefill engine {engine_id} answered {status}"
+            elif status >= 400:  # the request's own fault (or an SLO rejection): relay it
+                self.pool.released(engine_id)
+                self._report(pd.rid, engine_id, "failed")
+                return Response(status, data, raw_headers=out_headers)
+            else:
+                try:
+                    answer = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    answer = None
+                if not isinstance(answer, dict):
+                    pd.access.error = "prefill_answer"
+                    self._upstream_failed(engine_id, pd.rid, "read", "prefill answer not JSON")
+                    error = f"prefill engine {engine_id} gave no JSON answer"
+                else:
+                    self._engine_transition(
+                        engine_id, self.pool.finished(engine_id, True, time.monotonic()), ""
+                    )
+                    pd.access.prefill_s = time.perf_counter() - t0
+                    m = self.metrics
+                    m.child(m.phase_seconds, "prefill").observe(pd.access.prefill_s)
+                    return {"params": returned_params(answer)}
+        if last:
+            return error_response(
+                502, error, code="upstream_unavailable", headers={REQUEST_ID: pd.rid}
+            )
+        return None
 
     def _engine_transition(self, engine_id: str, transition: Transition | None, error: str) -> None:
         """Log an engine's ejection once on the way down and once on the way back (the pool
@@ -668,8 +862,10 @@ class Gateway:
         start: float,
         last: bool,
         access: _Access,
+        pd: _TwoPhase | None = None,
     ) -> Response | StreamResponse | None:
-        """One attempt on one engine: the response, or None to retry on another engine."""
+        """One attempt on one engine: the response, or None to retry on another engine
+        (``pd``: the decode phase of a disaggregated request, timed)."""
         assert self.upstream is not None
         self.pool.started(engine_id, time.monotonic())
         access.upstream_status = None
@@ -706,7 +902,17 @@ class Gateway:
             return None
         try:
             status = access.upstream_status = upstream.status
+            if pd is not None and status < 500:
+                access.decode_wait_s = time.perf_counter() - pd.decode_started
+                m = self.metrics
+                m.child(m.phase_seconds, "decode_first_byte").observe(access.decode_wait_s)
             if status >= 500 and not last:
+                if pd is not None and b"kv_transfer_failed" in await upstream.read():
+                    # the decode engine is fine; the prefill engine no longer holds the KV
+                    access.error = "kv_gone"
+                    self.pool.released(engine_id)
+                    self._report(rid, engine_id, "failed")
+                    return None
                 access.error = f"http_{status}"
                 self._upstream_failed(engine_id, rid, f"http_{status}", "5xx")
                 return None

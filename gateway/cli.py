@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         action="append",
         default=[],
-        metavar="ID=URL[,MODEL...]",
-        help="a static engine (repeatable); models are discovered from /v1/models if omitted",
+        metavar="ID=URL[,MODEL...][,role=ROLE]",
+        help="a static engine (repeatable); models are discovered from /v1/models if omitted; "
+        "role=prefill|decode|both for a disaggregated fleet (default both)",
     )
     r.add_argument(
         "--chat-template",

@@ -24,6 +24,7 @@ class StaticEngine:
     engine_id: str
     url: str
     models: tuple[str, ...] = ()
+    role: str = "both"  # prefill, decode or both (prefill/decode disaggregation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +80,18 @@ def _check_url(url: str, what: str) -> str:
 
 
 def parse_engine_spec(spec: str) -> StaticEngine:
-    """``ID=URL[,MODEL...]`` -> :class:`StaticEngine` (ValueError with the reason if invalid)."""
+    """``ID=URL[,MODEL...][,role=ROLE]`` -> :class:`StaticEngine` (ValueError with the reason
+    if invalid)."""
     engine_id, sep, rest = spec.partition("=")
     if not sep or not engine_id.strip() or not rest.strip():
-        raise ValueError(f"--engine {spec!r}: expected ID=URL[,MODEL...]")
-    url, *models = (p.strip() for p in rest.split(","))
-    return StaticEngine(
-        engine_id.strip(), _check_url(url, f"--engine {engine_id}"), tuple(m for m in models if m)
-    )
+        raise ValueError(f"--engine {spec!r}: expected ID=URL[,MODEL...][,role=ROLE]")
+    url, *items = (p.strip() for p in rest.split(","))
+    models = tuple(m for m in items if m and not m.startswith("role="))
+    roles = [m.removeprefix("role=") for m in items if m.startswith("role=")]
+    role = roles[-1] if roles else "both"
+    if role not in ("both", "prefill", "decode"):
+        raise ValueError(f"--engine {spec!r}: role must be both, prefill or decode")
+    return StaticEngine(engine_id.strip(), _check_url(url, f"--engine {engine_id}"), models, role)
 
 
 def parse_template_spec(spec: str) -> tuple[str | None, str]:

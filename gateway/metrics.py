@@ -102,9 +102,17 @@ class GatewayMetrics:
             "Bytes of the routing key cached on the chosen engine, per decision.",
             buckets=BYTES_BUCKETS,
         )
+        self.phase_seconds = FastHistogram(
+            "kvgate_gateway_pd_phase_seconds",
+            "Prefill/decode disaggregation, per phase: prefill (the prefill engine's answer) "
+            "and decode_first_byte (from the decode request to its first byte).",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+        )
         r.register(
             FastCollector(
                 (
+                    self.phase_seconds,
                     self.requests,
                     self.ttft,
                     self.e2e,

@@ -133,7 +133,7 @@ async def embedded_routing(
 
     router = build_router(policy, seed, router_config or {}, router)
     for s in static_engines:
-        router.add_static_engine(s.engine_id, s.url, s.models)
+        router.add_static_engine(s.engine_id, s.url, s.models, role=s.role)
     service = EmbeddedRouter(router, broker)
     on_drain: Callable[[str, bool], None] = router.set_draining
     try:

@@ -339,3 +339,44 @@ class SpeedFit:
         evidence += weight
         rate = max(weight / evidence, self.alpha * weight)
         return log + rate * (sample - log), evidence
+
+
+DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # Mistral-7B fp16: 32 layers x 2 (K, V) x 1024 x 2 bytes
+DEFAULT_KV_LINK_GBPS = 100.0  # one 100 Gb/s NIC between a prefill and a decode engine
+
+
+class KvLink:
+    """Moving a prompt's KV from a prefill engine to a decode engine (prefill/decode
+    disaggregation): ``tokens x kv_bytes_per_token / bandwidth``, configured per fleet (one
+    model, one network), its factor fitted online from the transfer times decode engines
+    report (:class:`SpeedFit`'s rule: a link is often not what its data sheet says)."""
+
+    __slots__ = ("_fit", "bytes_per_token", "gbps")
+
+    def __init__(
+        self,
+        bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN,
+        gbps: float = DEFAULT_KV_LINK_GBPS,
+    ) -> None:
+        if not (bytes_per_token > 0 and gbps > 0):
+            raise ValueError("KV bytes per token and link bandwidth must be positive")
+        self.bytes_per_token = float(bytes_per_token)
+        self.gbps = float(gbps)
+        self._fit = SpeedFit()
+
+    def nominal_ms(self, tokens: float) -> float:
+        """The configured link's time for ``tokens`` tokens of KV."""
+        return tokens * self.bytes_per_token * 8.0 / (self.gbps * 1e6)
+
+    def transfer_ms(self, tokens: float) -> float:
+        """The predicted time, corrected by the fit."""
+        return self.nominal_ms(tokens) * self._fit.prefill
+
+    @property
+    def factor(self) -> float:
+        """Observed / configured time (1: the link is as configured)."""
+        return self._fit.prefill
+
+    def observe(self, tokens: int, observed_ms: float) -> None:
+        """A decode engine moved ``tokens`` tokens of KV in ``observed_ms``."""
+        self._fit.observe_prefill(self.nominal_ms(tokens), observed_ms)

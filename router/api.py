@@ -34,6 +34,7 @@ Reason = Literal[
     "power_of_two",
     "affinity",  # session affinity (consistent hashing)
     "shed",  # no engine can meet the SLO: the gateway answers 429
+    "decode",  # a decode retry of a disaggregated request: only its decode engine was chosen
 ]
 
 Outcome = Literal["ok", "failed", "cancelled"]
@@ -51,6 +52,9 @@ class RouteRequest:
     slo: Slo = SLO_CLASSES["relaxed"]
     session: str | None = None
     exclude: frozenset[str] = frozenset()  # engines not to pick (failed on a retry, drained)
+    # set on a decode retry of a disaggregated request: its prompt's KV waits on this prefill
+    # engine, so only a decode engine is chosen (router.pd)
+    prefilled_on: str | None = None
 
     def __init__(
         self,
@@ -62,6 +66,7 @@ class RouteRequest:
         slo: Slo = SLO_CLASSES["relaxed"],
         session: str | None = None,
         exclude: frozenset[str] = frozenset(),
+        prefilled_on: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
@@ -71,6 +76,7 @@ class RouteRequest:
         self.slo = slo
         self.session = session
         self.exclude = exclude
+        self.prefilled_on = prefilled_on
 
 
 @dataclass(slots=True)  # immutable by convention (module docstring)
@@ -130,6 +136,11 @@ class Decision:
     retry_after_s: float | None = None
     detail: str = ""
     fallback: str | None = None  # shed: the engine it would have gone to (for measurement)
+    # prefill/decode disaggregation (router.pd): ``engine_id`` prefills and hands the KV to
+    # this engine, which decodes; None: ``engine_id`` runs the whole request
+    decode_engine_id: str | None = None
+    decode_url: str | None = None
+    kv_transfer_ms: float = 0.0  # the predicted time to move the prompt's KV there
 
     def __init__(
         self,
@@ -142,6 +153,9 @@ class Decision:
         retry_after_s: float | None = None,
         detail: str = "",
         fallback: str | None = None,
+        decode_engine_id: str | None = None,
+        decode_url: str | None = None,
+        kv_transfer_ms: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -152,6 +166,14 @@ class Decision:
         self.retry_after_s = retry_after_s
         self.detail = detail
         self.fallback = fallback
+        self.decode_engine_id = decode_engine_id
+        self.decode_url = decode_url
+        self.kv_transfer_ms = kv_transfer_ms
+
+    @property
+    def disaggregated(self) -> bool:
+        """Two phases: prefill on ``engine_id``, decode on ``decode_engine_id``."""
+        return self.decode_engine_id is not None and self.decode_engine_id != self.engine_id
 
     @property
     def candidates(self) -> tuple[Candidate, ...]:
@@ -174,6 +196,12 @@ class Decision:
             f"engine={self.engine_id or '-'}",
             f"matched={self.matched_bytes}",
         ]
+        if self.disaggregated:
+            parts[2:3] = [
+                f"prefill={self.engine_id}",
+                f"decode={self.decode_engine_id}",
+                f"kv_ms={self.kv_transfer_ms:.2f}",
+            ]
         best = next((c for c in self.candidates if c.engine_id == self.engine_id), None)
         if best is not None:
             parts.append(
@@ -194,6 +222,7 @@ class EngineInfo:
     draining: bool = False
     profile: str = "mistral-7b-a6000"
     static: bool = False  # configured by hand, not (only) known from the broker
+    role: str = "both"  # prefill, decode or both (broker.events.ROLES)
 
 
 class RoutingService(Protocol):

@@ -88,6 +88,8 @@ class Cluster(ClusterState):
                 self._membership += 1  # the eligible sets cache their profiles
             if now - eng.last_heartbeat > self.config.heartbeat_ttl_s:
                 self._membership += 1  # (re)joins the eligible sets
+            if ev.role != eng.role:
+                self._set_role(eng, ev.role)
             eng.heartbeat = ev
             eng.last_heartbeat = now
             own = eng.enqueued_tokens if eng.reports_requests else eng.open_prefill_tokens
@@ -118,6 +120,8 @@ class Cluster(ClusterState):
             self._not_pending(ev.request_id)
             rec = self._inflight.get(ev.request_id)
             self._fit_prefill(eng, ev, rec)
+            if ev.kv_transfer_ms is not None and ev.kv_transfer_tokens and self.config.fit_speed:
+                self.kv.observe(ev.kv_transfer_tokens, ev.kv_transfer_ms)
             if rec is not None and not rec.first_token:
                 rec.first_token = True
                 rec.first_at = now

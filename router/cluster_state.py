@@ -11,7 +11,16 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
+from broker.events import ROLES
+from kvgate.cost_model import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_KV_LINK_GBPS,
+    CostProfile,
+    KvLink,
+    ProfileError,
+    default_profile,
+    load_profile,
+)
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
 from router.policies.base import LOAD_MODES, EngineView
@@ -42,6 +51,10 @@ class ClusterConfig:
     # fit each engine's real prefill/decode speed from its reports (kvgate.cost_model.SpeedFit);
     # off: trust the announced profiles (the ablation of docs/router.md)
     fit_speed: bool = True
+    # prefill/decode disaggregation: the fleet's KV size per token and the link between a
+    # prefill and a decode engine (kvgate.cost_model.KvLink; fitted online with fit_speed)
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    kv_link_gbps: float = DEFAULT_KV_LINK_GBPS
 
 
 class _LoadOrder:
@@ -134,6 +147,10 @@ class ClusterState:
         self.moves = 0
         self.replications = 0
         self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
+        self.kv = KvLink(c.kv_bytes_per_token, c.kv_link_gbps)
+        self.roled = 0  # engines whose role is not "both": 0 is a colocated fleet
+        # model -> (its eligible set, decode-only ids, prefill-only ids among it)
+        self._role_split: dict[str, tuple[dict[str, _Engine], frozenset[str], frozenset[str]]] = {}
 
     # ------------------------------------------------------------------ engines
 
@@ -160,15 +177,37 @@ class ClusterState:
             return default_profile()
 
     def add_static_engine(
-        self, engine_id: str, url: str, models: Iterable[str], profile: str
+        self, engine_id: str, url: str, models: Iterable[str], profile: str, role: str = "both"
     ) -> None:
         eng = self._engine(engine_id)
+        self._set_role(eng, role)
         eng.static = True
         eng.url = url
         eng.models = tuple(models)
         eng.profile = self._profile(profile)
         eng.view = None
         self._membership += 1  # (also: the eligible set's profiles are cached with it)
+
+    def _set_role(self, eng: _Engine, role: str) -> None:
+        if role == eng.role:
+            return
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        self.roled += (role != "both") - (eng.role != "both")
+        eng.role = role
+        eng.view = None
+        self._membership += 1
+
+    def role_split(self, model: str, now: float) -> tuple[frozenset[str], frozenset[str]]:
+        """The eligible engines that only decode and those that only prefill (cached with the
+        eligible set)."""
+        eligible = self.eligible(model, now)
+        kept = self._role_split.get(model)
+        if kept is None or kept[0] is not eligible:
+            decode = frozenset(e for e, eng in eligible.items() if eng.role == "decode")
+            prefill = frozenset(e for e, eng in eligible.items() if eng.role == "prefill")
+            kept = self._role_split[model] = (eligible, decode, prefill)
+        return kept[1], kept[2]
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         eng = self._engine(engine_id)
@@ -195,6 +234,7 @@ class ClusterState:
                 draining=e.draining,
                 profile=e.profile.name,
                 static=e.static,
+                role=e.role,
             )
             for e in sorted(self.engines.values(), key=lambda e: e.engine_id)
             if e.url
@@ -272,6 +312,7 @@ class ClusterState:
                 decoding=len(eng.decoding),
                 decode_ctx_tokens=max(eng.decode_ctx, 0.0),
                 decode_tpot_min_ms=min(eng.decode_tpots) if eng.decode_tpots else math.inf,
+                role=eng.role,
             )
         return v
 

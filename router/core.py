@@ -8,6 +8,7 @@ no global state: time is passed in, randomness comes from the injected rng.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,8 +17,10 @@ from broker.events import Envelope
 from router.api import Decision, EngineInfo, Outcome, RouteRequest
 from router.cluster import Cluster
 from router.cluster_state import ClusterConfig
-from router.policies.base import Policy, RequestContext, Rng
+from router.pd import choose_decode, decode_id, decode_phase, prefill_phase
+from router.policies.base import EngineView, Policy, RequestContext, Rng
 from router.policies.registry import make_policy
+from router.tree_node import Match
 from router.view import View
 
 NO_ENGINE_RETRY_S = 1.0
@@ -50,12 +53,23 @@ class Router:
     # ------------------------------------------------------------------ routing
 
     def route(self, req: RouteRequest, now: float) -> Decision:
-        """Pick an engine for ``req`` (or shed it) and record the choice."""
+        """Pick an engine for ``req`` (or shed it) and record the choice. In a fleet with
+        prefill-only and decode-only engines (``router.pd``) the policy picks among the engines
+        that prefill, and a prefill-only choice gets a decode engine too."""
         cl = self.cluster
         cl.expire(now)
+        if req.prefilled_on is not None:
+            return self._route_decode(req, now)
         group = cl.group_of(req.key)
         ctx = RequestContext(req, len(req.key), group)
         engines = cl.candidates(req, now)
+        decode_only: frozenset[str] = frozenset()
+        prefill_only: frozenset[str] = frozenset()
+        every = engines
+        if cl.roled:
+            decode_only, prefill_only = cl.role_split(req.model, now)
+            if decode_only:
+                engines = [v for v in engines if v.engine_id not in decode_only]
         if not engines:
             decision = Decision(
                 engine_id=None,
@@ -74,15 +88,19 @@ class Router:
             matched,
             self.rng,
             model=req.model,
-            exclude=req.exclude,
+            exclude=req.exclude | decode_only if decode_only else req.exclude,
             now=now,
             confirmed=match.per_engine,
         )
         decision = self.policy.choose(ctx, view, now)
         self._count(decision)
-        if decision.engine_id is None:
+        chosen = decision.engine_id
+        if chosen is None:
             return decision
-        cl.record_route(req, decision.engine_id, match, matched, group, now)
+        if chosen in prefill_only:
+            decision = self._pair(req, decision, every, match, matched, group, now)
+        else:
+            cl.record_route(req, chosen, match, matched, group, now)
         self.routed_key_bytes += len(req.key)
         self.routed_matched_bytes += decision.matched_bytes
         # (``view.engines`` still holds the chosen engine's view from before: rebalancing reads
@@ -90,6 +108,84 @@ class Router:
         moves = self.policy.rebalance(ctx, view, now)
         if moves:
             cl.apply_moves(moves, now)
+        return decision
+
+    def _pair(
+        self,
+        req: RouteRequest,
+        decision: Decision,
+        every: list[EngineView],
+        match: Match,
+        matched: Mapping[str, int],
+        group: int,
+        now: float,
+    ) -> Decision:
+        """The policy chose a prefill-only engine: add the decode engine and record both
+        phases (``router.pd``). With no engine that decodes, the prefill engine runs it all."""
+        cl = self.cluster
+        prefill = decision.engine_id
+        assert prefill is not None
+        d = choose_decode(every, req, len(req.key))
+        if d is None:
+            cl.record_route(req, prefill, match, matched, group, now)
+            return dataclasses.replace(
+                decision,
+                detail=(decision.detail + "; " if decision.detail else "")
+                + "no decode engine: colocated",
+            )
+        cl.record_route(prefill_phase(req), prefill, match, matched, group, now)
+        self._record_decode(req, d.engine_id, match, group, now)
+        tokens = max(req.input_tokens, d.profile.tokens_for_bytes(len(req.key)))
+        return dataclasses.replace(
+            decision,
+            decode_engine_id=d.engine_id,
+            decode_url=d.url,
+            kv_transfer_ms=cl.kv.transfer_ms(tokens),
+        )
+
+    def _record_decode(
+        self, req: RouteRequest, engine_id: str, match: Match, group: int, now: float
+    ) -> None:
+        """The decode phase's record: its prompt counts as cached there (the KV moves in)."""
+        self.cluster.record_route(
+            decode_phase(req), engine_id, match, {engine_id: len(req.key)}, group, now
+        )
+
+    def _route_decode(self, req: RouteRequest, now: float) -> Decision:
+        """A decode retry: the prompt's KV waits on ``req.prefilled_on``; only a decode
+        engine is chosen (the failed ones are in ``req.exclude``)."""
+        cl = self.cluster
+        prefill = req.prefilled_on
+        assert prefill is not None
+        cl.release(decode_id(req.request_id), "report", now)
+        d = choose_decode(
+            (v for v in cl.candidates(req, now) if v.engine_id != prefill), req, len(req.key)
+        )
+        if d is None:
+            decision = Decision(
+                engine_id=None,
+                url=None,
+                reason="shed",
+                policy=self.policy.name,
+                retry_after_s=NO_ENGINE_RETRY_S,
+                detail=f"no live decode engine serves model {req.model!r}",
+            )
+            self._count(decision)
+            return decision
+        match, _ = cl.match(req.key)
+        self._record_decode(req, d.engine_id, match, cl.group_of(req.key), now)
+        p = cl.engines.get(prefill)
+        tokens = max(req.input_tokens, d.profile.tokens_for_bytes(len(req.key)))
+        decision = Decision(
+            engine_id=prefill,
+            url=p.url if p is not None else None,
+            reason="decode",
+            policy=self.policy.name,
+            decode_engine_id=d.engine_id,
+            decode_url=d.url,
+            kv_transfer_ms=cl.kv.transfer_ms(tokens),
+        )
+        self._count(decision)
         return decision
 
     def _count(self, decision: Decision) -> None:
@@ -110,7 +206,8 @@ class Router:
     def report(self, request_id: str, engine_id: str, outcome: Outcome, now: float) -> bool:
         """The gateway's word on a routed request: whatever the outcome, it is no longer in
         flight. False when the router had no record of it (already released)."""
-        return self.cluster.release(request_id, "report", now)
+        decode = self.cluster.release(decode_id(request_id), "report", now)
+        return self.cluster.release(request_id, "report", now) or decode
 
     def add_static_engine(
         self,
@@ -118,9 +215,10 @@ class Router:
         url: str,
         models: Iterable[str] = (),
         profile: str = "mistral-7b-a6000",
+        role: str = "both",
     ) -> None:
         """An engine configured by hand: always alive, routable without a heartbeat."""
-        self.cluster.add_static_engine(engine_id, url, models, profile)
+        self.cluster.add_static_engine(engine_id, url, models, profile, role)
 
     def set_draining(self, engine_id: str, draining: bool) -> None:
         """A draining engine gets no new requests (its in-flight ones finish)."""
@@ -150,6 +248,7 @@ class Router:
                     "static": eng.static,
                     "epoch": eng.epoch,
                     "profile": eng.profile.name,
+                    "role": eng.role,
                     "reports_kv": eng.reports_kv,
                     "inflight": eng.inflight,
                     "routed_total": eng.routed_total,
@@ -206,4 +305,9 @@ class Router:
             "released": dict(cl.released_by),
             "rebalance": {"moves": cl.moves, "replications": cl.replications},
             "events": dict(cl.events),
+            "kv_link": {
+                "kv_bytes_per_token": cl.kv.bytes_per_token,
+                "gbps": cl.kv.gbps,
+                "fitted_factor": round(cl.kv.factor, 4),
+            },
         }

@@ -146,6 +146,7 @@ class _Engine:
     rate: float = 0.0  # requests/s routed here recently (RATE_TAU_S), as of rate_t
     prefill_rate: float = 0.0  # ms of their prefill (at its speed) per s, as of rate_t
     rate_t: float = 0.0
+    role: str = "both"  # prefill, decode or both (its heartbeat's, or configured)
 
     def window_ms(self) -> float:
         """Preble's L_i as defined: windowed prefill work + windowed output tokens x TPOT_i."""

@@ -140,6 +140,9 @@ class View:
         """The distinct cost profiles among the candidates (or a superset)."""
         return self._cluster.eligible_profiles(self._model, self._now)
 
+    def kv_transfer_ms(self, tokens: float) -> float:
+        return self._cluster.kv.transfer_ms(tokens)
+
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         """Prefill time of what ``ev``'s S-EDF prefill scheduler serves before a request due at
         ``deadline``: this router's open requests there (no first token yet) due no later that

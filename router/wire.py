@@ -61,6 +61,7 @@ def request_to_json(req: RouteRequest) -> dict:
         "slo": {"ttft_ms": req.slo.ttft_ms, "tpot_ms": req.slo.tpot_ms, "name": req.slo.name},
         "session": req.session,
         "exclude": sorted(req.exclude),
+        "prefilled_on": req.prefilled_on,
     }
 
 
@@ -98,6 +99,7 @@ def request_from_json(body: Any) -> RouteRequest:
         max_tokens=_int(body, "max_tokens", 0),
         session=_str(body, "session", optional=True),
         exclude=frozenset(exclude),
+        prefilled_on=_str(body, "prefilled_on", optional=True),
         **kwargs,
     )
 
@@ -112,6 +114,9 @@ def decision_to_json(d: Decision) -> dict:
         "retry_after_s": d.retry_after_s,
         "detail": d.detail,
         "header": d.header_value(),
+        "decode_engine_id": d.decode_engine_id,
+        "decode_url": d.decode_url,
+        "kv_transfer_ms": d.kv_transfer_ms,
         "candidates": [
             {
                 "engine_id": c.engine_id,
@@ -154,6 +159,9 @@ def decision_from_json(body: Any) -> Decision:
             listing=cands,
             retry_after_s=None if retry is None else float(retry),
             detail=str(body.get("detail", "")),
+            decode_engine_id=_str(body, "decode_engine_id", optional=True),
+            decode_url=_str(body, "decode_url", optional=True, max_len=2048),
+            kv_transfer_ms=float(body.get("kv_transfer_ms") or 0.0),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed decision: {exc}", "candidates") from None
@@ -177,6 +185,7 @@ def engine_to_json(e: EngineInfo) -> dict:
         "draining": e.draining,
         "profile": e.profile,
         "static": e.static,
+        "role": e.role,
     }
 
 
@@ -192,6 +201,7 @@ def engine_from_json(d: Any) -> EngineInfo:
             draining=bool(d.get("draining", False)),
             profile=str(d.get("profile", "mistral-7b-a6000")),
             static=bool(d.get("static", False)),
+            role=str(d.get("role", "both")),
         )
     except (KeyError, TypeError) as exc:
         raise WireError(f"malformed engine: {exc}", "engines") from None

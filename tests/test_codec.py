@@ -141,8 +141,11 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     hb = ["hb", 1.0, 0, 1, 2, 3, 4, 0.5, "p", "http://e", ["m"]]
     (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [hb]]), b"b": b""})
     assert env.event.decode_step_ms is None and env.event.running == 1
-    newer = orjson.dumps(["e1", "ep", 0, [[*hb, 20.0, 4.0, 900.0, "extra"]]])
-    with pytest.raises(CodecError, match="11 to 14 items"):
+    roled = [*hb, 20.0, 4.0, 900.0, "decode"]  # P/D disaggregation's role, added last
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [roled]]), b"b": b""})
+    assert env.event.role == "decode" and env.event.decode_batch == 4.0
+    newer = orjson.dumps(["e1", "ep", 0, [[*roled, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 15 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
 
 

@@ -36,6 +36,8 @@ PURE_MODULES = [
     "router/view.py",
     "router/core.py",
     "router/wire.py",
+    "router/pd.py",
+    "kvgate/kv_transfer.py",
     "bench/sim/loop.py",
     "bench/sim/world.py",
     "bench/metrics.py",

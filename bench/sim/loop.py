@@ -33,6 +33,7 @@ class Kind(IntEnum):
     ARRIVAL = 3
     SUBMIT = 4
     TICK = 5
+    TRANSFER = 6  # a prompt's KV reaches its decode engine (prefill/decode disaggregation)
 
 
 class SimulationError(RuntimeError):

@@ -24,8 +24,15 @@ from bench.metrics import RequestRecord, summarize
 from bench.sim.policies import make_router
 from bench.sim.world import LinkConfig, World
 from bench.workloads import Request, WorkloadOptions, build_workload, describe, scale_rate
+from broker.events import ROLES
 from engine.core import EngineCore, EngineRequest, SchedulerConfig
-from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
+from kvgate.cost_model import (
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_KV_LINK_GBPS,
+    DEFAULT_PROFILE,
+    CostProfile,
+    load_profile,
+)
 from router.api import Decision, RouteRequest
 from router.cluster_state import ClusterConfig
 from router.core import Router
@@ -52,8 +59,19 @@ class SimConfig:
     slow_announce: str = "same"
     # the router's cluster state (windows, TTLs, fit_speed); None: its defaults
     cluster: ClusterConfig | None = None
+    # prefill/decode disaggregation: each engine's role (broker.events.ROLES; None: all
+    # "both"), and the KV link between engines (the router is told the same figures)
+    roles: tuple[str, ...] | None = None
+    kv_link_gbps: float = DEFAULT_KV_LINK_GBPS
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
 
     def __post_init__(self) -> None:
+        if self.roles is not None and (
+            len(self.roles) != self.engines or not set(self.roles) <= set(ROLES)
+        ):
+            raise ValueError(f"roles: one of {', '.join(ROLES)} per engine")
+        if not (self.kv_link_gbps > 0 and self.kv_bytes_per_token > 0):
+            raise ValueError("kv_link_gbps and kv_bytes_per_token must be positive")
         if self.engines < 1:
             raise ValueError("engines must be >= 1")
         if not self.slow_factor > 0:
@@ -121,13 +139,19 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
     ids = engine_ids(cfg.engines)
     # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
     sched_cfg = SchedulerConfig(stream_outputs=False)
+    roles = cfg.roles or ("both",) * cfg.engines
     engines = [
-        EngineCore(eid, prof, policy=scheduler, config=sched_cfg)
-        for eid, prof in zip(ids, cfg.engine_profiles(), strict=True)
+        EngineCore(eid, prof, policy=scheduler, config=sched_cfg, role=role)
+        for eid, prof, role in zip(ids, cfg.engine_profiles(), roles, strict=True)
     ]
-    router = _TimedRouter(
-        make_router(policy, random.Random(f"router:{cfg.seed}"), cluster=cfg.cluster)
-    )
+    cluster = cfg.cluster
+    if cfg.roles is not None:
+        cluster = replace(
+            cluster or ClusterConfig(),
+            kv_link_gbps=cfg.kv_link_gbps,
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+        )
+    router = _TimedRouter(make_router(policy, random.Random(f"router:{cfg.seed}"), cluster=cluster))
     world = World(
         router,
         engines,
@@ -136,11 +160,12 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
         rng=random.Random(f"link:{cfg.link.seed}"),
         link=cfg.link,
         predictions=predictions,
+        kv_ms_per_token=cfg.kv_bytes_per_token * 8.0 / (cfg.kv_link_gbps * 1e6),
     )
     if cfg.static_engines:
         for slot, eng in zip(world.slots, engines, strict=True):
             router.add_static_engine(
-                slot.core.engine_id, slot.url, world.models, profile=eng.profile.name
+                slot.core.engine_id, slot.url, world.models, profile=eng.profile.name, role=eng.role
             )
     return world
 
@@ -199,6 +224,10 @@ def run_one(
             "engine_wakes": st.wakes,
             "stale_wakes": st.stale_wakes,
             "shed_by_router": st.shed,
+            "disaggregated": st.extra.get("disaggregated", 0),
+            "kv_transfer_ms_mean": round(sum(world.transfers_ms) / len(world.transfers_ms), 3)
+            if world.transfers_ms
+            else None,
         },
     }
 

@@ -15,7 +15,13 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
   and consecutive sequence numbers, ``link_delay_s`` (plus optional seeded jitter) later, in order
   per engine, one batch per engine step (``DELIVER``), as the reporter's stream entries would;
 * every engine sends a load heartbeat each ``heartbeat_s`` (``HEARTBEAT``) through the same link;
-* when a request finishes (or the engine rejects it) the router gets the gateway's outcome report.
+* when a request finishes (or the engine rejects it) the router gets the gateway's outcome report;
+* a disaggregated decision (``router.pd``) runs as the gateway runs it: the prefill on its
+  engine with one output token, then the prompt's KV crosses the link (``TRANSFER``,
+  ``kv_ms_per_token`` x prompt tokens after the prefill's token, plus the network delay) into
+  the decode engine's prefix cache (``EngineCore.receive_kv``), then the decode request (its
+  arrival the client's, so its TTFT deadline is the request's own). The client's first token
+  is the decode engine's.
 
 So the world doubles as an integration harness of router and engine: every event they exchange
 crosses the same contract as in production, with the delays made explicit.
@@ -24,7 +30,7 @@ crosses the same contract as in production, with the delays made explicit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from bench.metrics import STATUS_OK, STATUS_SHED, RequestRecord
@@ -33,6 +39,7 @@ from bench.workloads import Request
 from broker.events import Envelope, Event
 from kvgate.cost_model import CostProfile
 from router.api import Decision, RouteRequest
+from router.pd import decode_id
 
 
 class Rng(Protocol):
@@ -61,6 +68,7 @@ class EngineLike(Protocol):
     def advance(self, now: float) -> list[Any]: ...
     def drain_events(self) -> list[Event]: ...
     def heartbeat(self, url: str, models: tuple[str, ...]) -> Event: ...
+    def receive_kv(self, key: bytes, now: float) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +125,10 @@ class _Flight:
     req: Request
     record: RequestRecord
     engine: int
+    decode_engine: int | None = None  # disaggregated: where it decodes (None: colocated)
+    ereq: Any = None  # ... the engine request, kept for the decode phase
+    key: bytes = b""
+    prefill_cached: int = 0  # ... its prompt tokens the prefill engine had cached
 
 
 @dataclass(slots=True)
@@ -149,6 +161,7 @@ class World:
         models: tuple[str, ...] = ("kvgate-sim",),
         url_prefix: str = "sim://",
         predictions: bool = False,
+        kv_ms_per_token: float = 0.0,
     ) -> None:
         """``predictions``: record the router's predicted TTFT on the chosen engine (its
         decision's candidate: queueing + own prefill) in each request's record."""
@@ -167,6 +180,8 @@ class World:
         self.records: list[RequestRecord] = []
         self.predictions = predictions
         self._flights: dict[str, _Flight] = {}
+        self.kv_ms_per_token = kv_ms_per_token  # the KV link's time per prompt token
+        self.transfers_ms: list[float] = []
         self.stats = WorldStats()
         self._horizon = 0.0
         loop = self.loop
@@ -175,6 +190,7 @@ class World:
         loop.on(Kind.ENGINE_WAKE, self._on_wake)
         loop.on(Kind.DELIVER, self._on_deliver)
         loop.on(Kind.HEARTBEAT, self._on_heartbeat)
+        loop.on(Kind.TRANSFER, self._on_transfer)
 
     # ------------------------------------------------------------------ running
 
@@ -251,8 +267,14 @@ class World:
                     rec.predicted_ttft_ms = cand.load_ms + cand.prefill_ms
         slot.routed += 1
         self.stats.routed += 1
-        self._flights[req.request_id] = _Flight(req, rec, slot.index)
+        flight = self._flights[req.request_id] = _Flight(req, rec, slot.index)
         ereq = self._make_engine_request(req, key, now + self.link.network_delay_s)
+        dec = decision.decode_engine_id
+        if decision.disaggregated and dec in self._by_id:
+            flight.decode_engine = self._by_id[dec].index
+            flight.ereq, flight.key = ereq, key
+            ereq = replace(ereq, output_tokens=1)  # the prefill phase: one token
+            self.stats.extra["disaggregated"] = self.stats.extra.get("disaggregated", 0) + 1
         self.loop.schedule(now + self.link.network_delay_s, Kind.SUBMIT, (slot.index, ereq))
 
     def _on_submit(self, payload: tuple[int, Any], now: float) -> None:
@@ -285,7 +307,16 @@ class World:
             rec.error = out.rejected
             rec.e2e_s = now - arrival
             del self._flights[out.request_id]
-            self.router.report(out.request_id, slot.core.engine_id, "ok", now)
+            self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
+            return
+        if flight.decode_engine is not None and out.request_id == flight.req.request_id:
+            if out.usage is not None:  # the prefill phase ended: the KV moves
+                del self._flights[out.request_id]
+                flight.prefill_cached = out.usage.cached_tokens
+                ms = self.kv_ms_per_token * out.usage.prompt_tokens
+                self.transfers_ms.append(ms)
+                at = now + ms / 1000.0 + self.link.network_delay_s
+                self.loop.schedule(at, Kind.TRANSFER, (flight, ms))
             return
         if out.index == 0 and out.times and rec.ttft_s is None:
             rec.ttft_s = out.times[0] - arrival
@@ -296,10 +327,30 @@ class World:
             rec.e2e_s = last - arrival
             rec.completion_tokens = u.completion_tokens
             rec.prompt_tokens = u.prompt_tokens
-            rec.cached_tokens = u.cached_tokens
+            # (disaggregated: the prefix cache's hits are the prefill engine's; the decode
+            # engine's "cached" prompt is the KV it was handed)
+            rec.cached_tokens = (
+                u.cached_tokens if flight.decode_engine is None else flight.prefill_cached
+            )
             rec.tpot_s = u.tpot_ms / 1000.0 if u.completion_tokens > 1 else None
             del self._flights[out.request_id]
-            self.router.report(out.request_id, slot.core.engine_id, "ok", now)
+            self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
+
+    def _on_transfer(self, payload: tuple[_Flight, float], now: float) -> None:
+        """The prompt's KV is on the decode engine: the decode request arrives there."""
+        flight, ms = payload
+        assert flight.decode_engine is not None
+        slot = self.slots[flight.decode_engine]
+        slot.core.receive_kv(flight.key, now)
+        ereq = replace(
+            flight.ereq,
+            request_id=decode_id(flight.req.request_id),
+            kv_transfer_ms=ms,
+            kv_transfer_tokens=flight.ereq.input_tokens,
+        )
+        self._flights[ereq.request_id] = flight
+        slot.core.submit(ereq, now)
+        self._after_engine_call(slot, now)
 
     def _after_engine_call(self, slot: _EngineSlot, now: float) -> None:
         """Ship the engine's new events and (re)arm its wake-up."""

@@ -95,7 +95,13 @@ class SchedBook:
         ds[3] += mean_context
 
     def _load_heartbeat(
-        self, url: str, models: tuple[str, ...], *, kv_blocks_used: int, kv_blocks_total: int
+        self,
+        url: str,
+        models: tuple[str, ...],
+        *,
+        kv_blocks_used: int,
+        kv_blocks_total: int,
+        role: str = "both",
     ) -> LoadHeartbeat:
         """The load now; the decode-step figures cover the steps since the previous heartbeat."""
         queued = self.queued_prefill_tokens()
@@ -114,6 +120,7 @@ class SchedBook:
             decode_step_ms=ms / steps if steps else None,
             decode_batch=batch / steps if steps else None,
             decode_context=ctx / steps if steps else None,
+            role=role,
         )
 
     # ------------------------------------------------------------------ bookkeeping

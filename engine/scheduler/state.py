@@ -58,6 +58,10 @@ class EngineRequest:
     output_tokens: int
     slo: Slo
     arrival: float
+    # disaggregation: the prompt's KV came from a prefill engine, taking this long (reported
+    # in its FirstToken, for the routers' fit of the link)
+    kv_transfer_ms: float | None = None
+    kv_transfer_tokens: int | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -72,6 +72,7 @@ class BridgeConfig:
     zmq_bind: bool = False
     topic: str = ""
     profile: str = DEFAULT_PROFILE
+    role: str = "both"  # prefill, decode or both: the vLLM's part in a disaggregated fleet
     models: tuple[str, ...] = ()
     metrics_interval_s: float = 0.2
     heartbeat_interval_s: float = 1.0
@@ -424,6 +425,7 @@ class VllmBridge:
             models=self._load.models,
             profile=cfg.profile,
             fallback_blocks=self._fallback_blocks,
+            role=cfg.role,
         )
         last = self._load.last_hb
         if last is None or last != hb or now - self._load.last_hb_at >= cfg.heartbeat_interval_s:

@@ -79,6 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cost profile name or JSON path announced for this engine (default: %(default)s)",
     )
     p.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="the engine's part in a prefill/decode disaggregated fleet, announced in its "
+        "heartbeats (prefill and decode need a vLLM started with a --kv-transfer-config "
+        "connector; default: %(default)s)",
+    )
+    p.add_argument(
         "--served-model",
         action="append",
         default=[],
@@ -125,6 +133,7 @@ def build_config(args: argparse.Namespace) -> BridgeConfig:
         engine_id=args.engine_id or default_engine_id(args.engine_url),
         engine_url=args.engine_url.rstrip("/"),
         profile=args.profile,
+        role=args.role,
         models=tuple(args.served_model),
         metrics_interval_s=args.poll_ms / 1000.0,
         heartbeat_interval_s=args.heartbeat_s,

@@ -104,6 +104,7 @@ def build_heartbeat(
     models: tuple[str, ...],
     profile: str,
     fallback_blocks: int,
+    role: str = "both",
 ) -> LoadHeartbeat:
     """The heartbeat for one scrape (see the module docstring for each field)."""
     total = load.kv_blocks_total or fallback_blocks
@@ -122,6 +123,7 @@ def build_heartbeat(
         profile=profile,
         url=url,
         models=models,
+        role=role,
     )
 
 

@@ -61,6 +61,7 @@ class EngineView:
     rate_per_s: float = 0.0  # requests routed there per second recently, as of rate_t ...
     prefill_rate: float = 0.0  # ... and ms of prefill (their own, at its speed) per second
     rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
+    role: str = "both"  # prefill, decode or both (broker.events.ROLES)
 
     def __init__(
         self,
@@ -88,6 +89,7 @@ class EngineView:
         rate_per_s: float = 0.0,
         prefill_rate: float = 0.0,
         rate_t: float = 0.0,
+        role: str = "both",
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -113,6 +115,7 @@ class EngineView:
         self.rate_per_s = rate_per_s
         self.prefill_rate = prefill_rate
         self.rate_t = rate_t
+        self.role = role
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
@@ -263,6 +266,11 @@ class ClusterView(Protocol):
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
         """Preble's M_i: cost of what ``engine_id``'s LRU would evict to fit ``need_bytes``."""
+        ...
+
+    def kv_transfer_ms(self, tokens: float) -> float:
+        """Predicted time to move ``tokens`` tokens of KV from a prefill engine to a decode
+        engine (the fleet's link, fitted: :class:`kvgate.cost_model.KvLink`)."""
         ...
 
     def override(self, group: int) -> str | None:

@@ -195,6 +195,26 @@ def estimate(
         matched = confirmed
     own = prefill_cost_ms(ev, ctx.key_len, matched, cache)
     prof = ev.profile
+    decay = math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+    if ev.role == "prefill":
+        # prefill/decode disaggregation (router.pd): the request decodes on a decode engine,
+        # so it takes no place in this engine's batch; its first token waits for its KV to
+        # move there
+        share = prefill_share(ev)
+        moved = view.kv_transfer_ms(max(req.input_tokens, prof.tokens_for_bytes(ctx.key_len)))
+        busy = min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
+        return Estimate(
+            queue,
+            own,
+            share,
+            decode_step_ms(ev) + moved,
+            True,
+            behind,
+            ev.rate_per_s * decay,
+            matched,
+            0.0,
+            busy,
+        )
     mine = max(req.input_tokens, prof.tokens_for_bytes(ctx.key_len)) + req.max_tokens / 2
     limit = TPOT_HEADROOM * slo.tpot_ms
     alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
@@ -207,7 +227,6 @@ def estimate(
         need = ev.inflight + 1 - capacity
         if need > 0:
             admit = view.decode_release_ms(ev, now, need)
-    decay = math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
     share = prefill_share(ev)
     # its decode takes a place in the engine's decode batch for its output tokens, and a
     # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
