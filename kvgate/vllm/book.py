@@ -20,7 +20,11 @@ How the policy's decision maps onto a vLLM step (what differs from the simulated
   ``max_num_batched_tokens`` caps the step as always;
 * preemption happens at step boundaries only: a request with an earlier deadline takes the next
   chunk, the paused unit keeps its KV and progress. FlowPrefill cuts a running batch at its next
-  operator; vLLM executes a step whole, so a step already running finishes first;
+  operator; vLLM executes a step whole, so a step already running finishes first. Hence
+  ``max_step_ms``: a step's prefill is cut to what the profile says runs in that time even when
+  nothing decodes, so an arrival waits at most about that long for its turn (and reaches the
+  scheduler at all: vLLM adds requests between steps). Without it a lone 2,000-token prefill is
+  one step, and a tight TTFT SLO that arrives meanwhile is already lost when it is seen;
 * a request vLLM refuses to start this step (KV allocation, a grammar still compiling) goes back
   to waiting; a request vLLM evicts for KV (recompute preemption) goes back to waiting before
   its first token, and after it vLLM resumes it first, outside the policy (it holds a stream);
@@ -157,11 +161,13 @@ class VllmBook(SchedBook):
         config: SchedulerConfig | None = None,
         *,
         reject: bool = False,
+        max_step_ms: float | None = None,
     ) -> None:
         base = config or SchedulerConfig()
         super().__init__(profile, replace(base, reject_infeasible=reject))
         self.policy = SloPolicy()
         self.reject_mode = reject
+        self.max_step_ms = max_step_ms if max_step_ms and max_step_ms > 0 else None
         self.stats = BookStats()
         self._states: dict[str, ReqState] = {}
         self._extra: dict[str, _Extra] = {}
@@ -171,6 +177,10 @@ class VllmBook(SchedBook):
         self._cap = Capacity(0, 1, 0, 0, 0)
         self._reserved_blocks = 0
         self._starting: list[ReqState] = []
+        # admitted by the policy, not yet started in vLLM: a unit's later pieces wait for the
+        # step whose token budget reaches them (vLLM would refuse a start with no tokens)
+        self._unstarted: dict[str, ReqState] = {}
+        self._step_start: tuple[str, ...] = ()
         self._rejected: list[tuple[str, str]] = []
         self._step_unit: PrefillUnit | None = None
         self._step_prefill = 0
@@ -278,6 +288,7 @@ class VllmBook(SchedBook):
             if st in queue:
                 queue.remove(st)
         st.unit = None
+        self._unstarted.pop(st.request_id, None)
         ex = self._extra.get(st.request_id)
         if ex is not None:
             self._ledger_out(st, ex)
@@ -294,7 +305,7 @@ class VllmBook(SchedBook):
         """Ask the policy for the next step and translate it for vLLM."""
         self.stats.steps += 1
         self._cap = cap
-        self._reserved_blocks = 0
+        self._reserved_blocks = sum(self._blocks_for(st) for st in self._unstarted.values())
         self._starting = []
         self._rejected = []
         resume = self._resume_first()
@@ -309,7 +320,8 @@ class VllmBook(SchedBook):
         self._step_unit = decision.unit if prefill else None
         self._step_prefill = sum(n for _, n in prefill)
         self._step_prefill_ids = [rid for rid, _ in prefill]
-        start = tuple(st.request_id for st in self._starting)
+        start = tuple(rid for rid, _ in prefill if rid in self._unstarted)
+        self._step_start = start
         budget = len(decode) + self._step_prefill + sum(n for _, n in resume)
         return StepOrder(
             decode=decode,
@@ -333,7 +345,8 @@ class VllmBook(SchedBook):
         self, unit: PrefillUnit | None, ops: int, room: int
     ) -> list[tuple[str, int]]:
         """The unit's tokens this step: all that are left when it runs whole, else as many as
-        fit in the time of ``ops`` operators on the cost profile; at most ``room``."""
+        fit in the time of ``ops`` operators on the cost profile; at most ``room`` and what
+        fits in ``max_step_ms``."""
         if unit is None or ops <= 0 or room <= 0:
             return []
         left = [(st, n - self._done_in_unit(st, n)) for st, n, _ in unit.pieces if st.unit is unit]
@@ -341,10 +354,12 @@ class VllmBook(SchedBook):
         if not left:
             return []
         total = sum(k for _, k in left)
+        ctx = unit.pieces[0][2]
         want = total
         if ops < unit.ops_left:
-            ctx = unit.pieces[0][2]
             want = _tokens_within(self.profile, ops * unit.op_ms, ctx, total)
+        if self.max_step_ms is not None:
+            want = min(want, _tokens_within(self.profile, self.max_step_ms, ctx, total))
         want = min(want, room)
         out = []
         for st, k in left:
@@ -361,14 +376,17 @@ class VllmBook(SchedBook):
     def after_schedule(self, result: StepResult, now: float) -> None:
         """Fold in what vLLM's scheduler did with the last order."""
         started = set(result.started)
-        for st in self._starting:
-            if st.request_id not in started:
+        for rid in self._step_start:
+            st = self._unstarted.get(rid)
+            if st is not None and rid not in started:
                 self._refused(st)
+        self._step_start = ()
         for rid in started:
             ex = self._extra.get(rid)
             if ex is None:
                 continue
             ex.started = True
+            self._unstarted.pop(rid, None)
             st = self._states[rid]
             if ex.resuming:
                 self._readmit(st)
@@ -483,7 +501,7 @@ class VllmBook(SchedBook):
 
     def admissible(self, st: ReqState) -> bool:
         cap = self._cap
-        if cap.running + len(self._starting) >= cap.max_running:
+        if cap.running + len(self._unstarted) >= cap.max_running:
             return False
         return self._blocks_for(st) <= cap.free_blocks - self._reserved_blocks
 
@@ -494,6 +512,7 @@ class VllmBook(SchedBook):
         self._enter_prefill(st)
         self._extra[st.request_id].in_ledger = True
         self._starting.append(st)
+        self._unstarted[st.request_id] = st
         self._events.append(RequestStarted(self._extra[st.request_id].event_id))
         return True
 

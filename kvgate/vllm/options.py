@@ -20,6 +20,9 @@ key                    environment                 meaning
 ``models``             ``KVGATE_MODELS``           served model names (default vLLM's)
 ``model_dir``          ``KVGATE_MODEL_DIR``        tokenizer folder for KV events (default vLLM's)
 ``heartbeat_s``        ``KVGATE_HEARTBEAT_S``      least time between load heartbeats (0.05)
+``stats_s``            ``KVGATE_STATS_S``          interval of the counters' log line (60)
+``max_step_ms``        ``KVGATE_MAX_STEP_MS``      longest prefill step on the profile (100; 0:
+                                                   off): vLLM preempts only between steps
 ``scheduler``          (none)                      SchedulerConfig fields: token_budget,
                                                    min_slack_frac, tpot_guard, chunk_tokens,
                                                    layers, vbs_safety, vbs_margin
@@ -58,6 +61,8 @@ _ENV = {
     "models": "KVGATE_MODELS",
     "model_dir": "KVGATE_MODEL_DIR",
     "heartbeat_s": "KVGATE_HEARTBEAT_S",
+    "stats_s": "KVGATE_STATS_S",
+    "max_step_ms": "KVGATE_MAX_STEP_MS",
 }
 
 
@@ -79,6 +84,8 @@ class PluginOptions:
     models: tuple[str, ...] = ()
     model_dir: str | None = None
     heartbeat_s: float = 0.05
+    stats_s: float = 60.0
+    max_step_ms: float = 100.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -124,7 +131,9 @@ def parse_options(
         engine_id=_opt_text(values, "engine_id"),
         models=_models(values.get("models")),
         model_dir=_opt_text(values, "model_dir"),
-        heartbeat_s=_seconds(values.get("heartbeat_s", 0.05)),
+        heartbeat_s=_seconds(values.get("heartbeat_s", 0.05), "heartbeat_s", 0, 60),
+        stats_s=_seconds(values.get("stats_s", 60.0), "stats_s", 1, 3600),
+        max_step_ms=_ms(values.get("max_step_ms", 100.0)),
         scheduler=_scheduler(raw.get("scheduler")),
     )
     if opts.broker is not None and opts.url is None:
@@ -178,14 +187,24 @@ def _models(v: Any) -> tuple[str, ...]:
     return tuple(m.strip() for m in items if m.strip())
 
 
-def _seconds(v: Any) -> float:
+def _seconds(v: Any, name: str, low: float, high: float) -> float:
     try:
         s = float(v)
     except (TypeError, ValueError):
-        raise OptionsError("kvgate option 'heartbeat_s' must be a number of seconds") from None
-    if not 0 <= s <= 60:
-        raise OptionsError("kvgate option 'heartbeat_s' must be in [0, 60] seconds")
+        raise OptionsError(f"kvgate option {name!r} must be a number of seconds") from None
+    if not low <= s <= high:
+        raise OptionsError(f"kvgate option {name!r} must be in [{low:g}, {high:g}] seconds")
     return s
+
+
+def _ms(v: Any) -> float:
+    try:
+        ms = float(v)
+    except (TypeError, ValueError):
+        raise OptionsError("kvgate option 'max_step_ms' must be a number of ms") from None
+    if not 0 <= ms <= 60_000:
+        raise OptionsError("kvgate option 'max_step_ms' must be in [0, 60000] ms (0: no cap)")
+    return ms
 
 
 def _scheduler(v: Any) -> SchedulerConfig:

@@ -26,6 +26,7 @@ and that step is left to vLLM's own scheduling, so the engine keeps serving.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -50,7 +51,7 @@ from kvgate.vllm.book import Arrival, Capacity, StepOrder, StepResult, VllmBook
 from kvgate.vllm.options import PluginOptions, parse_options
 
 log = logging.getLogger("vllm.kvgate")  # vLLM configures its "vllm" loggers: ours show up
-STATS_EVERY_S = 60.0
+WARN_EVERY_S = 60.0  # a repeated warning is logged once in this long
 
 
 class SloScheduler(Scheduler):
@@ -80,13 +81,15 @@ class SloScheduler(Scheduler):
         super().__init__(vllm_config, *args, **kwargs)
         self.kvgate_options: PluginOptions = options
         profile = load_profile(options.profile)
-        self._book = VllmBook(profile, options.scheduler, reject=options.reject)
+        self._book = VllmBook(
+            profile, options.scheduler, reject=options.reject, max_step_ms=options.max_step_ms
+        )
         self._default_slo = SLO_CLASSES[options.default_slo]
         self._rejects: dict[str, str] = {}
         self._step_t0: float | None = None
         self._hb_at = 0.0
         self._stats_at = time.monotonic()
-        self._log_once = LogOnce(log, every_s=STATS_EVERY_S)
+        self._log_once = LogOnce(log, every_s=WARN_EVERY_S)
         self._token_bytes: Any = None
         self._reporter: Any = None
         self._url = options.url or ""
@@ -94,11 +97,12 @@ class SloScheduler(Scheduler):
         if options.reporting:
             self._start_reporter(vllm_config)
         log.info(
-            "kvgate SLO scheduler: profile %s, default SLO %s, %s; vLLM step budget %d tokens, "
-            "%d KV blocks of %d tokens; reporting %s",
+            "kvgate SLO scheduler: profile %s, default SLO %s, %s, prefill steps of at most "
+            "%g ms; vLLM step budget %d tokens, %d KV blocks of %d tokens; reporting %s",
             profile.name,
             options.default_slo,
             "rejecting late requests" if options.reject else "late requests queue last",
+            options.max_step_ms,
             self.max_num_scheduled_tokens,
             self.cache_config.num_gpu_blocks or 0,
             self.block_size,
@@ -347,12 +351,17 @@ class SloScheduler(Scheduler):
                     rep.heartbeat(hb)
                 except Exception as exc:
                     self._log_once.warning("heartbeat", "kvgate: no heartbeat: %r", exc)
-        if time.monotonic() - self._stats_at >= STATS_EVERY_S:
-            self._stats_at = time.monotonic()
-            counters = self._book.stats.as_dict()
-            if rep is not None:
-                counters.update(rep.counters())
-            log.info("kvgate scheduler: %s", counters)
+        if time.monotonic() - self._stats_at >= self.kvgate_options.stats_s:
+            self._log_stats()
+
+    def _log_stats(self) -> None:
+        """One JSON line of the book's and the reporter's counters (operators and tests read
+        it: e.g. ``reporter_dropped`` grows while the broker is down)."""
+        self._stats_at = time.monotonic()
+        counters = self._book.stats.as_dict()
+        if self._reporter is not None:
+            counters.update(self._reporter.counters())
+        log.info("kvgate scheduler counters: %s", json.dumps(counters, sort_keys=True))
 
     def shutdown(self) -> None:
         try:
@@ -360,6 +369,7 @@ class SloScheduler(Scheduler):
         finally:
             if self._reporter is not None:
                 self._reporter.close()
+            self._log_stats()
 
     @property
     def kvgate_book(self) -> VllmBook:

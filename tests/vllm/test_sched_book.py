@@ -99,6 +99,38 @@ def test_an_earlier_deadline_takes_the_next_chunk_from_a_running_prefill() -> No
     assert fake.steps[-1]["long"] == 9 * 6000 // 64 == fake.reqs["long"].computed - 2000
 
 
+def test_max_step_ms_bounds_a_lone_prefill_so_an_arrival_waits_one_short_step() -> None:
+    """Nothing decodes, so no TPOT guard: without the cap a 6000-token prompt takes vLLM's whole
+    step budget (6 s here); with ``max_step_ms`` every step is ~250 ms, and a tight request that
+    arrives meanwhile is seen, and served, at the next boundary."""
+    b = VllmBook(PROFILE, SchedulerConfig(), max_step_ms=250.0)
+    fake = FakeVllm(b)
+    fake.add("long", 6000, slo=RELAXED, now=0.0)
+    assert fake.step(0.0).prefill == (("long", 250),)
+    assert fake.step(0.25).prefill == (("long", 250),)
+    fake.add("urgent", 100, slo=Slo(400.0, 1_000.0), now=0.6)
+    order = fake.step(0.6)
+    assert order.start == ("urgent",) and order.prefill[0] == ("urgent", 100)
+    uncapped = FakeVllm(book())
+    uncapped.add("long", 6000, slo=RELAXED, now=0.0)
+    assert uncapped.step(0.0).prefill == (("long", 6000),)
+
+
+def test_a_unit_member_starts_in_the_step_that_gives_it_tokens() -> None:
+    """SLO-aware batching admits two prompts as one unit; ``max_step_ms`` gives the first step
+    only the first one's tokens, so only it starts; the second starts with its own tokens (no
+    start vLLM would refuse for lack of budget)."""
+    b = VllmBook(PROFILE, SchedulerConfig(), max_step_ms=300.0)
+    fake = FakeVllm(b)
+    fake.add("a", 300, slo=RELAXED, now=0.0)
+    fake.add("b", 300, slo=RELAXED, now=0.0)
+    first = fake.step(0.0)
+    assert first.start == ("a",) and first.prefill == (("a", 300),)
+    second = fake.step(0.3)
+    assert second.start == ("b",) and second.prefill == (("b", 300),)
+    assert b.stats.start_refused == 0 and b.stats.started == 2
+
+
 def test_queued_requests_start_earliest_deadline_first_minus_their_prefill() -> None:
     b = book(token_budget=1)  # no batching: one request per step (one-token answers)
     fake = FakeVllm(b)
@@ -194,7 +226,10 @@ def test_vbs_admission_holds_a_request_back_while_the_decode_batch_is_full() -> 
     for rid in ("r0", "r1"):
         fake._drop(fake.reqs[rid])
         b.finish(rid, 0.2)
-    assert set(fake.step(0.2).start) == {"r12", "r13"}
+    # admitted together as one unit; the TPOT guard's slice reaches r13 a step later (a start
+    # with no tokens this step would only be refused by vLLM)
+    started = [*fake.step(0.2).start, *fake.step(0.23).start]
+    assert started == ["r12", "r13"] and b.stats.start_refused == 0
 
 
 def test_kv_admission_and_a_start_vllm_refuses() -> None:

@@ -61,6 +61,10 @@ def test_options_from_additional_config_then_environment() -> None:
     assert opts.url == "http://10.0.0.5:8000" and opts.stream_id() == "vllm-10.0.0.5-8000"
     assert opts.scheduler.token_budget == 2048 and opts.scheduler.tpot_guard == 0.8
     assert not parse_options(None, {}).reporting
+    assert parse_options(None, {}).stats_s == 60.0
+    assert parse_options(None, {}).max_step_ms == 100.0
+    assert parse_options({"kvgate": {"max_step_ms": 0}}, {}).max_step_ms == 0.0
+    assert parse_options(None, {"KVGATE_STATS_S": "2"}).stats_s == 2.0
 
 
 @pytest.mark.parametrize(
@@ -74,6 +78,9 @@ def test_options_from_additional_config_then_environment() -> None:
         ({"kvgate": {"scheduler": {"budget": 1}}}, "unknown kvgate scheduler"),
         ({"kvgate": {"url": "ftp://x"}}, "http"),
         ({"kvgate": "on"}, "JSON object"),
+        ({"kvgate": {"stats_s": 0.5}}, "stats_s"),
+        ({"kvgate": {"max_step_ms": -1}}, "max_step_ms"),
+        ({"kvgate": {"heartbeat_s": "soon"}}, "heartbeat_s"),
     ],
 )
 def test_bad_options_are_refused_with_the_reason(raw: dict, match: str) -> None:
