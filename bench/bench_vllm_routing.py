@@ -41,51 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.cli import _names
+from bench.procs import HTTP_ERRORS, LOOPBACK, free_port, http, wait_http
 from bench.sim.policies import parse_policy
 from bench.workloads.synthetic import Zipf
 from engine_reporter.vllm.metrics import parse_metrics
 
 RESULT = Path("results/vllm_routing.json")
-LOOPBACK = "127.0.0.1"
-HTTP_ERRORS = (urllib.error.URLError, OSError, ValueError)
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 ADMIN_TOKEN = "bench-vllm-routing"
-
-
-def http(
-    method: str, url: str, body: dict | None = None, timeout: float = 120, token: str = ""
-) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"}
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, deadline_s: float, procs: list[subprocess.Popen]) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args[:4]} exited with {p.returncode}")
-        with contextlib.suppress(*HTTP_ERRORS):
-            if http("GET", url, timeout=2)[0] < 500:
-                return
-        time.sleep(1)
-    raise RuntimeError(f"{url} did not come up in {deadline_s} s")
 
 
 def stop(procs: list[subprocess.Popen]) -> None:

@@ -48,13 +48,12 @@ import random
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.metrics import summarize
+from bench.procs import HTTP_ERRORS, LOOPBACK, free_port, http, wait_http
 from bench.replay import ReplayConfig, replay
 from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf, arrivals, lognormal_int
@@ -64,13 +63,11 @@ from kvgate.stats import percentile
 ROOT = Path(__file__).resolve().parents[1]  # this checkout's kvgate, ahead of vLLM's copy
 RESULT = Path("results/vllm_sched.json")
 PLOT = Path("results/vllm_sched.png")
-LOOPBACK = "127.0.0.1"
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 MODEL = "tiny"
 PROFILE = "vllm-cpu-small"
 BYTES_PER_TOKEN = 1.05  # the tiny tokenizer on the workload's random text (measured)
 SCHEDULERS = ("fcfs", "priority", "kvgate")
-HTTP_ERRORS = (urllib.error.URLError, OSError, ValueError)
 
 # small-llama: the tiny model's tokenizer with bigger random weights (see the module docstring)
 MAKE_MODEL = """
@@ -154,39 +151,6 @@ def mixed_slo_workload(
 
 
 # ----------------------------------------------------------------------------- processes
-
-
-def http(method: str, url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, method=method, headers={"content-type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, deadline_s: float, procs: list[subprocess.Popen]) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"process {p.args[:4]} exited with {p.returncode}")
-        with contextlib.suppress(*HTTP_ERRORS):
-            if http("GET", url, timeout=2)[0] < 500:
-                return
-        time.sleep(1)
-    raise RuntimeError(f"{url} did not come up in {deadline_s} s")
 
 
 def stop(procs: list[subprocess.Popen]) -> None:

@@ -71,16 +71,7 @@ class Router:
             if decode_only:
                 engines = [v for v in engines if v.engine_id not in decode_only]
         if not engines:
-            decision = Decision(
-                engine_id=None,
-                url=None,
-                reason="shed",
-                policy=self.policy.name,
-                retry_after_s=NO_ENGINE_RETRY_S,
-                detail=f"no live engine serves model {req.model!r}",
-            )
-            self._count(decision)
-            return decision
+            return self._no_engine(f"no live engine serves model {req.model!r}")
         match, matched = cl.match(req.key)
         view = View(
             cl,
@@ -162,16 +153,7 @@ class Router:
             (v for v in cl.candidates(req, now) if v.engine_id != prefill), req, len(req.key)
         )
         if d is None:
-            decision = Decision(
-                engine_id=None,
-                url=None,
-                reason="shed",
-                policy=self.policy.name,
-                retry_after_s=NO_ENGINE_RETRY_S,
-                detail=f"no live decode engine serves model {req.model!r}",
-            )
-            self._count(decision)
-            return decision
+            return self._no_engine(f"no live decode engine serves model {req.model!r}")
         match, _ = cl.match(req.key)
         self._record_decode(req, d.engine_id, match, cl.group_of(req.key), now)
         p = cl.engines.get(prefill)
@@ -184,6 +166,19 @@ class Router:
             decode_engine_id=d.engine_id,
             decode_url=d.url,
             kv_transfer_ms=cl.kv.transfer_ms(tokens),
+        )
+        self._count(decision)
+        return decision
+
+    def _no_engine(self, detail: str) -> Decision:
+        """A shed for want of any engine to send to (counted like a policy's shed)."""
+        decision = Decision(
+            engine_id=None,
+            url=None,
+            reason="shed",
+            policy=self.policy.name,
+            retry_after_s=NO_ENGINE_RETRY_S,
+            detail=detail,
         )
         self._count(decision)
         return decision
