@@ -163,6 +163,11 @@ class CostProfile:
         """The documented token rule: ceil(bytes / bytes_per_token), at least 1 for a request."""
         return max(1, -(-int(n_bytes) // self.bytes_per_token))
 
+    def prompt_tokens(self, input_tokens: int, key_bytes: int) -> int:
+        """A prompt's tokens on this engine: the count the request states, or the token rule on
+        its key when that says more (a count of 0 or a stale one)."""
+        return max(input_tokens, self.tokens_for_bytes(key_bytes))
+
     def cached_tokens_for_bytes(self, n_bytes: int) -> int:
         """Tokens covered by ``n_bytes`` of cached prefix (0 when nothing is cached)."""
         return int(n_bytes) // self.bytes_per_token

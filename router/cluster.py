@@ -251,7 +251,7 @@ class Cluster(ClusterState):
         key_len = len(req.key)
         mine = matched.get(engine_id, 0)
         cached = p.cached_tokens_for_bytes(mine)
-        tokens = max(req.input_tokens, p.tokens_for_bytes(key_len))
+        tokens = p.prompt_tokens(req.input_tokens, key_len)
         missed = max(tokens - cached, 1)
         # Preble's L entry: prefill of the missed part, plus this engine's share of the shared
         # prefix's prefill (divided among the engines holding it), plus output tokens later

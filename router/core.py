@@ -126,12 +126,17 @@ class Router:
             )
         cl.record_route(prefill_phase(req), prefill, match, matched, group, now)
         self._record_decode(req, d.engine_id, match, group, now)
-        tokens = max(req.input_tokens, d.profile.tokens_for_bytes(len(req.key)))
         return dataclasses.replace(
             decision,
             decode_engine_id=d.engine_id,
             decode_url=d.url,
-            kv_transfer_ms=cl.kv.transfer_ms(tokens),
+            kv_transfer_ms=self._kv_ms(req, d),
+        )
+
+    def _kv_ms(self, req: RouteRequest, decode: EngineView) -> float:
+        """The predicted move of ``req``'s KV to ``decode``."""
+        return self.cluster.kv.transfer_ms(
+            decode.profile.prompt_tokens(req.input_tokens, len(req.key))
         )
 
     def _record_decode(
@@ -157,7 +162,6 @@ class Router:
         match, _ = cl.match(req.key)
         self._record_decode(req, d.engine_id, match, cl.group_of(req.key), now)
         p = cl.engines.get(prefill)
-        tokens = max(req.input_tokens, d.profile.tokens_for_bytes(len(req.key)))
         decision = Decision(
             engine_id=prefill,
             url=p.url if p is not None else None,
@@ -165,7 +169,7 @@ class Router:
             policy=self.policy.name,
             decode_engine_id=d.engine_id,
             decode_url=d.url,
-            kv_transfer_ms=cl.kv.transfer_ms(tokens),
+            kv_transfer_ms=self._kv_ms(req, d),
         )
         self._count(decision)
         return decision

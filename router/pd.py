@@ -58,7 +58,7 @@ def decode_score(ev: EngineView, req: RouteRequest, key_len: int) -> tuple:
     this request in the batch, decode-only before colocated, then the predicted step (decode
     load), fewer in flight, registration order."""
     prof = ev.profile
-    tokens = max(req.input_tokens, prof.tokens_for_bytes(key_len))
+    tokens = prof.prompt_tokens(req.input_tokens, key_len)
     mine = tokens + req.max_tokens / 2
     batch = ev.inflight + 1
     step = prof.decode_step_ms(batch, (ev.open_ctx_tokens + mine) / batch) * ev.decode_scale

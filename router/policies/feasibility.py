@@ -201,7 +201,7 @@ def estimate(
         # so it takes no place in this engine's batch; its first token waits for its KV to
         # move there
         share = prefill_share(ev)
-        moved = view.kv_transfer_ms(max(req.input_tokens, prof.tokens_for_bytes(ctx.key_len)))
+        moved = view.kv_transfer_ms(prof.prompt_tokens(req.input_tokens, ctx.key_len))
         busy = min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
         return Estimate(
             queue,
@@ -215,7 +215,7 @@ def estimate(
             0.0,
             busy,
         )
-    mine = max(req.input_tokens, prof.tokens_for_bytes(ctx.key_len)) + req.max_tokens / 2
+    mine = prof.prompt_tokens(req.input_tokens, ctx.key_len) + req.max_tokens / 2
     limit = TPOT_HEADROOM * slo.tpot_ms
     alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
     admit = 0.0
