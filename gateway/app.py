@@ -27,7 +27,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -190,12 +190,7 @@ class _TwoPhase:
     debug: bool
     start: float
     access: _Access
-    model: str
-    key: bytes
-    input_tokens: int
-    max_tokens: int
-    slo: Slo
-    session: str | None
+    ask: RouteRequest  # what the router was asked (a decode retry asks it again)
     decode_started: float = 0.0
 
 
@@ -602,18 +597,17 @@ class Gateway:
             now = time.monotonic()
             t_route = time.perf_counter()
             blocked = self.pool.blocked(now)
-            decision = await self.decide(
-                RouteRequest(
-                    request_id=rid,
-                    model=parsed.model,
-                    key=parsed.key,
-                    input_tokens=input_tokens,
-                    max_tokens=max_tokens,
-                    slo=parsed.slo,
-                    session=parsed.session,
-                    exclude=blocked | tried if tried else blocked,
-                )
+            ask = RouteRequest(
+                request_id=rid,
+                model=parsed.model,
+                key=parsed.key,
+                input_tokens=input_tokens,
+                max_tokens=max_tokens,
+                slo=parsed.slo,
+                session=parsed.session,
+                exclude=blocked | tried if tried else blocked,
             )
+            decision = await self.decide(ask)
             m.route_seconds.observe(time.perf_counter() - t_route)
             m.child(m.decisions, decision.policy, decision.reason).inc()
             access.retries = attempt
@@ -643,11 +637,7 @@ class Gateway:
             assert engine_id is not None
             url = decision.url or self.pool.engines[engine_id].url
             if decision.disaggregated:
-                pd = _TwoPhase(
-                    request, route, fbody, rid, decision, debug, start, access,
-                    parsed.model, parsed.key, input_tokens, max_tokens, parsed.slo,
-                    parsed.session,
-                )  # fmt: skip
+                pd = _TwoPhase(request, route, fbody, rid, decision, debug, start, access, ask)
                 result = await self._two_phase(pd, attempt == cfg.max_retries, tried)
                 if result is not None:
                     return result
@@ -706,13 +696,12 @@ class Gateway:
             assert engine_id is not None
             if engine_id not in self.pool.engines:
                 self.pool.merge_router_list(
-                    [EngineInfo(engine_id, decision.decode_url or "", (pd.model,), True)]
+                    [EngineInfo(engine_id, decision.decode_url or "", (pd.ask.model,), True)]
                 )
             d_url = decision.decode_url or self.pool.engines[engine_id].url
             pd.access.decode_engine = engine_id
             pd.access.error = None
-            t0 = time.perf_counter()
-            pd.decode_started = t0
+            pd.decode_started = time.perf_counter()
             final = last and attempt == cfg.max_retries
             result = await self._forward(
                 pd.request,
@@ -739,17 +728,7 @@ class Gateway:
             self.metrics.retries.labels("decode_failure").inc()
             now = time.monotonic()
             retry = await self.decide(
-                RouteRequest(
-                    request_id=pd.rid,
-                    model=pd.model,
-                    key=pd.key,
-                    input_tokens=pd.input_tokens,
-                    max_tokens=pd.max_tokens,
-                    slo=pd.slo,
-                    session=pd.session,
-                    exclude=self.pool.blocked(now) | tried,
-                    prefilled_on=prefill,
-                )
+                replace(pd.ask, exclude=self.pool.blocked(now) | tried, prefilled_on=prefill)
             )
             if retry.shed or not retry.disaggregated:
                 return None  # no decode engine for this prefill: the pair again

@@ -38,6 +38,7 @@ PURE_MODULES = [
     "router/wire.py",
     "router/pd.py",
     "kvgate/kv_transfer.py",
+    "kvgate/vllm/book.py",
     "bench/sim/loop.py",
     "bench/sim/world.py",
     "bench/metrics.py",
