@@ -98,7 +98,8 @@ def test_a_stopped_redis_never_blocks_the_engine_and_resyncs(private_redis, redi
         rep.close()
     counters = rep.counters()
     assert counters["submitted"] == 2002 and counters["dropped"] == 0  # the hand-off kept all
-    assert counters["reporter_dropped"] >= 2002 - 200 - 1  # the reporter's buffer did not
+    # the 2,000 events of the outage all passed through a buffer of 200: at least 1,800 dropped
+    assert counters["reporter_dropped"] >= 2000 - 200  # the reporter's buffer did not keep all
     envs, raw = asyncio.run(read_all(url, redis_prefix, "eng"))
     assert raw is not None
     snap = decode_snapshot(raw)
