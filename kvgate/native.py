@@ -46,6 +46,7 @@ MODULES = (
     "router.keytree",
     "router.engine_state",
     "router.speculative",
+    "router.slo_mix",
     "router.cluster_state",
     "router.cluster",
     "router.view",

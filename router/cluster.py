@@ -320,6 +320,7 @@ class Cluster(ClusterState):
         eng.rate = eng.rate * decay + 1.0 / RATE_TAU_S  # (exponentially weighted rates)
         eng.prefill_rate = eng.prefill_rate * decay + own_s * 1e3 / RATE_TAU_S
         eng.rate_t = now
+        self.slo_mix.add(req.slo.ttft_ms, own_s * 1e3, now)
         eng.view = None
         ttl = c.approximate_ttl_s if c.approximate or not eng.reports_kv else c.speculative_ttl_s
         rec.spec = self.spec.add(engine_id, req.key, ttl, now)

@@ -24,7 +24,8 @@ from kvgate.cost_model import (
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
 from router.policies.base import LOAD_MODES, EngineView
-from router.policies.feasibility import next_decode_step_ms
+from router.policies.feasibility import RATE_TAU_S, next_decode_step_ms
+from router.slo_mix import SloMix
 from router.speculative import Speculative
 from router.tree import RadixTree
 
@@ -148,6 +149,8 @@ class ClusterState:
         self.replications = 0
         self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
         self.kv = KvLink(c.kv_bytes_per_token, c.kv_link_gbps)
+        # the fleet's recent prefill work by TTFT SLO: who overtakes whom in an S-EDF queue
+        self.slo_mix = SloMix(RATE_TAU_S)
         self.roled = 0  # engines whose role is not "both": 0 is a colocated fleet
         # model -> (its eligible set, decode-only ids, prefill-only ids among it)
         self._role_split: dict[str, tuple[dict[str, _Engine], frozenset[str], frozenset[str]]] = {}

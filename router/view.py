@@ -143,6 +143,11 @@ class View:
     def kv_transfer_ms(self, tokens: float) -> float:
         return self._cluster.kv.transfer_ms(tokens)
 
+    def share_due_sooner(self, ttft_slo_ms: float) -> float:
+        """The share of the fleet's recent prefill work with a TTFT SLO shorter than this
+        (:class:`router.slo_mix.SloMix`): what overtakes such a request in an S-EDF queue."""
+        return self._cluster.slo_mix.share_sooner(ttft_slo_ms)
+
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         """Prefill time of what ``ev``'s S-EDF prefill scheduler serves before a request due at
         ``deadline``: this router's open requests there (no first token yet) due no later that

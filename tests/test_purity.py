@@ -31,6 +31,7 @@ PURE_MODULES = [
     "router/tree.py",
     "router/engine_state.py",
     "router/speculative.py",
+    "router/slo_mix.py",
     "router/cluster_state.py",
     "router/cluster.py",
     "router/view.py",

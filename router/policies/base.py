@@ -247,6 +247,11 @@ class ClusterView(Protocol):
         """Every distinct cost profile among the candidates (a superset is fine)."""
         ...
 
+    def share_due_sooner(self, ttft_slo_ms: float) -> float:
+        """The share of the fleet's recent prefill work whose TTFT SLO is shorter than this
+        (in an S-EDF queue, that work overtakes a request with this SLO)."""
+        ...
+
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         """Prefill time of the work ``ev``'s S-EDF scheduler serves before a request due at
         ``deadline`` (router time, s): the router's open requests there due no later, plus

@@ -14,15 +14,17 @@ engine *when would this request's first token come out there, and what does it c
 
 * ``C_i = TTFT_i + M_i + w x (P_i x (1 + behind_i + arrivals_i) + decode_i)``.
 
-  ``TTFT_i = (queue_i + P_i) / share_i + admit_i + D_i`` is the router's latency model
-  (:mod:`router.policies.feasibility`): the prefill the engine's S-EDF scheduler runs first,
-  this request's own prefill after its cached whole blocks (Preble's ``P``), slowed by the GPU
-  time the engine's decode batch takes, plus any wait for SCORPIO's VBS admission and the decode
-  iteration that precedes a prefill slice; all on the engine's profile corrected by its fitted
-  speed (:class:`kvgate.cost_model.SpeedFit`). A prefix the router only routed there (no block
-  event yet) counts as cached only if the request queues behind every open one: one due
-  earlier overtakes them and prefills the prefix itself. ``M_i`` is Preble's eviction cost
-  (hit count x miss rate x prefill time of each prefix the engine's LRU would evict).
+  ``TTFT_i = (queue_i + P_i) / share_i x stretch_i + admit_i + D_i`` is the router's latency
+  model (:mod:`router.policies.feasibility`): the prefill the engine's S-EDF scheduler runs
+  first, this request's own prefill after its cached whole blocks (Preble's ``P``), slowed by
+  the GPU time the engine's decode batch takes and stretched by the work that will arrive due
+  sooner and overtake it (``1 / (1 - busy_i x sooner)``), plus any wait for SCORPIO's VBS
+  admission and the decode iteration that precedes a prefill slice; all on the engine's
+  profile corrected by its fitted speed (:class:`kvgate.cost_model.SpeedFit`). A prefix the
+  router only routed there (no block event yet) counts as cached only if the request queues
+  behind every open one: one due earlier overtakes them and prefills the prefix itself.
+  ``M_i`` is Preble's eviction cost (hit count x miss rate x prefill time of each prefix the
+  engine's LRU would evict).
 
   The rest is the work the request takes from others (weight ``w``, ``work_weight``): its own
   prefill is GPU time that delays the requests queued behind it (``behind_i``: due later) and
@@ -45,7 +47,8 @@ engine *when would this request's first token come out there, and what does it c
   injected rng. Without a band, near-equal costs always went to the same engine.
 * SLO: an engine that cannot decode the request within its TPOT SLO even alone is skipped.
   When no engine is predicted to meet the TTFT SLO, the request still goes to the cheapest,
-  unless even the best would miss by more than ``shed_factor`` x the SLO: only then is it shed
+  unless even the best would miss by more than ``shed_factor`` x the SLO with nothing
+  overtaking it (``Estimate.ttft_floor_ms``: shedding is final): only then is it shed
   (429), naming the engine it would have gone to (``Decision.fallback``). Preferring the
   engines predicted to meet the SLO over cheaper ones (``prefer_feasible``) was measured worse:
   a holder whose queue looks too long is usually still the best place.
@@ -95,6 +98,10 @@ class E2Config:
     # holder whose queue looks too long is usually still the best place; docs/router.md)
     prefer_feasible: bool = False
     shed_factor: float = 1.5  # shed only when even the best engine's TTFT > this x the SLO
+    # judge shedding on the expected TTFT (overtakers included) instead of the soonest the
+    # first token could come: admission control that sheds earlier, before a queue snowballs
+    # (more attainment in overload, but a third of what it sheds would have made it)
+    shed_expected: bool = False
     tie_rel: float = 0.05  # tie band: within tie_rel x C_min + tie_ms of the cheapest
     tie_ms: float = 5.0
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
@@ -155,8 +162,9 @@ class E2(PolicyBase):
         scored = [self._score(ev, ctx, view, now) for ev in self._contenders(view)]
         slo_ms = ctx.request.slo.ttft_ms
         pool = [s for s in scored if s.est.tpot_ok]
+        shed_ttft = _expected if cfg.shed_expected else _soonest
         if cfg.slo_filter:
-            feasible = [s for s in pool if s.est.ttft_ms <= slo_ms]
+            feasible = [s for s in pool if shed_ttft(s) <= slo_ms]
             if not feasible and len(scored) < len(view.engines):
                 # before shedding, every engine (the contenders were only the likely best)
                 seen = {s.ev.engine_id for s in scored}
@@ -166,17 +174,17 @@ class E2(PolicyBase):
                     if ev.engine_id not in seen
                 ]
                 pool = [s for s in scored if s.est.tpot_ok]
-                feasible = [s for s in pool if s.est.ttft_ms <= slo_ms]
+                feasible = [s for s in pool if shed_ttft(s) <= slo_ms]
             if not feasible:
-                best = min(pool, key=_ttft, default=None)
-                if best is None or best.est.ttft_ms > cfg.shed_factor * slo_ms:
+                best = min(pool, key=shed_ttft, default=None)
+                if best is None or shed_ttft(best) > cfg.shed_factor * slo_ms:
                     return shed(
                         self.name,
                         ctx,
-                        retry_after(best.est.ttft_ms - slo_ms if best else math.inf),
+                        retry_after(shed_ttft(best) - slo_ms if best else math.inf),
                         "no engine can meet the SLO"
                         + (
-                            f": the best, {best.ev.engine_id}, in ~{best.est.ttft_ms:.0f} ms"
+                            f": the best, {best.ev.engine_id}, in ~{shed_ttft(best):.0f} ms"
                             if best
                             else " (its decode step alone exceeds the TPOT SLO)"
                         ),
@@ -337,7 +345,12 @@ class _Balance:
         return (ev.load_ms, ev.inflight, recent_rate(ev, self.now))
 
 
-def _ttft(s: _Scored) -> float:
+def _soonest(s: _Scored) -> float:
+    """The soonest its first token could come there (nothing overtaking it)."""
+    return s.est.ttft_floor_ms
+
+
+def _expected(s: _Scored) -> float:
     return s.est.ttft_ms
 
 

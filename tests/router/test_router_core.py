@@ -764,3 +764,16 @@ def test_e2_scores_the_top_holders_and_the_least_loaded_in_a_big_fleet() -> None
     d = f.route("cold", b"z" * 20_000, 2.0)
     assert d.engine_id == "e5"  # the idle one, found among the least loaded
     assert cl.engines["e5"].routed_total == 1
+
+
+def test_routed_prefill_feeds_the_fleet_slo_mix() -> None:
+    """Each routed request adds its own prefill to the fleet's mix under its TTFT SLO: the
+    share of recent work that would overtake a request with a longer SLO (S-EDF)."""
+    f = Fleet(n=2)
+    mix = f.router.cluster.slo_mix
+    assert mix.share_sooner(5_000.0) == 0.0
+    assert f.route("urgent", b"u" * 4000, 1.0, slo=Slo(1_000.0, 100.0)).engine_id is not None
+    assert f.route("relaxed", b"r" * 4000, 1.0, slo=Slo(20_000.0, 100.0)).engine_id is not None
+    assert mix.share_sooner(500.0) == 0.0
+    assert mix.share_sooner(5_000.0) == pytest.approx(0.5, rel=0.05)
+    assert mix.share_sooner(60_000.0) == pytest.approx(1.0)

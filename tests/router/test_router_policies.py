@@ -19,7 +19,12 @@ from kvgate.cost_model import CostProfile, default_profile
 from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.policies.base import EngineView, GroupLoad, RequestContext, top_matched
-from router.policies.feasibility import next_decode_step_ms, prefill_share, queued_prefill_ms
+from router.policies.feasibility import (
+    estimate,
+    next_decode_step_ms,
+    prefill_share,
+    queued_prefill_ms,
+)
 from router.policies.registry import POLICIES, PolicyError, make_policy
 
 PROFILE = default_profile()
@@ -77,6 +82,7 @@ class FakeView:
     groups: dict[str, list[GroupLoad]] = field(default_factory=dict)
     halves: dict[int, tuple[float, float]] = field(default_factory=dict)
     releases: dict[str, float] = field(default_factory=dict)
+    sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
@@ -110,6 +116,9 @@ class FakeView:
 
     def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
         return self.prefill_ahead_ms(ev, deadline), 0
+
+    def share_due_sooner(self, ttft_slo_ms: float) -> float:
+        return self.sooner
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         return self.releases.get(ev.engine_id, 0.0)
@@ -256,6 +265,66 @@ def test_e2_slo_filter_sheds_only_far_beyond_the_slo() -> None:
     # baselines can opt in to the same filter (without the margin)
     d = make_policy("least_load", {"slo_filter": True}).choose(ctx(slo=slo), FakeView(engines), 0)
     assert d.shed
+
+
+def test_a_busy_engine_stretches_the_wait_by_the_work_that_will_overtake() -> None:
+    """S-EDF: later arrivals due sooner overtake a queued request, so its wait on a busy engine
+    is a busy period, ``wait / (1 - busy x sooner)``; on an idle engine nothing stretches."""
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
+    # prefilling half of its time lately (500 ms of prefill a second)
+    busy = replace(ev("busy", hb=_hb(queued=4_000)), rate_per_s=1.0, prefill_rate=500.0)
+    quiet = ev("quiet", hb=_hb(queued=4_000))
+    c = ctx(slo=slo)
+    alone = estimate(busy, c, 0, FakeView([busy, quiet]), 0.0, {})
+    wait = (alone.queue_ms + alone.own_ms) / alone.share
+    assert wait > 0 and alone.ttft_ms == pytest.approx(wait + alone.admit_ms)
+    mixed = FakeView([busy, quiet], sooner=0.8)
+    overtaken = estimate(busy, c, 0, mixed, 0.0, {})
+    assert overtaken.ttft_ms == pytest.approx(wait / (1 - 0.5 * 0.8) + alone.admit_ms)
+    assert overtaken.arrivals == pytest.approx(alone.arrivals)  # (already a busy period)
+    q = estimate(quiet, c, 0, mixed, 0.0, {})
+    assert q.ttft_ms == pytest.approx((q.queue_ms + q.own_ms) / q.share + q.admit_ms)
+    # however busy, at most 10x
+    packed = replace(busy, prefill_rate=5_000.0)
+    capped = estimate(packed, c, 0, FakeView([packed], sooner=1.0), 0.0, {})
+    assert capped.ttft_ms == pytest.approx(10 * wait + alone.admit_ms)
+
+
+def test_e2_leaves_a_busy_engine_whose_queue_will_be_overtaken() -> None:
+    """A shorter queue on an engine that prefills 90% of its time is no shorter wait
+    when most of the traffic is due sooner than this request (4,000 against 8,000 tokens queued)."""
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
+    busy = replace(ev("a", hb=_hb(queued=4_000)), rate_per_s=1e-6, prefill_rate=900.0)
+    idle = ev("b", hb=_hb(queued=8_000))
+    e2 = make_policy("e2")
+    assert e2.choose(ctx(slo=slo), FakeView([busy, idle]), 0.0).engine_id == "a"
+    assert e2.choose(ctx(slo=slo), FakeView([busy, idle], sooner=0.9), 0.0).engine_id == "b"
+
+
+def test_e2_sheds_on_the_soonest_the_first_token_could_come() -> None:
+    """Overtakers stretch the expected wait far past the SLO, but with none the first token
+    could still come within 1.5x of it: shedding is final, so the request is routed."""
+    slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
+    a = replace(ev("a", hb=_hb(queued=12_000)), rate_per_s=1e-6, prefill_rate=900.0)
+    view = FakeView([a], sooner=1.0)
+    est = estimate(a, ctx(slo=slo), 0, view, 0.0, {})
+    assert est.ttft_floor_ms <= 1.5 * slo.ttft_ms < 2 * slo.ttft_ms < est.ttft_ms
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "a"
+    # admission control on the expected TTFT (opt-in): shed
+    d = make_policy("e2", {"shed_expected": True}).choose(ctx(slo=slo), view, 0.0)
+    assert d.shed and d.fallback == "a"
+    # the baselines' filter (no margin) likewise: a shorter queue that could make the SLO
+    b = replace(
+        a,
+        engine_id="b",
+        heartbeat=_hb(queued=4_000),
+        queued_prefill_ms=queued_prefill_ms(PROFILE, _hb(queued=4_000), 0),
+    )
+    view = FakeView([b], sooner=1.0)
+    est = estimate(b, ctx(slo=slo), 0, view, 0.0, {})
+    assert est.ttft_floor_ms <= slo.ttft_ms < est.ttft_ms
+    d = make_policy("least_load", {"slo_filter": True}).choose(ctx(slo=slo), view, 0)
+    assert d.engine_id == "b"
 
 
 def test_e2_skips_engines_too_slow_to_decode_the_request_at_its_tpot() -> None:
