@@ -29,7 +29,7 @@ REBASE_AFTER = 50.0  # rescale the stored weights when they have grown by e^50
 class SloMix:
     """Exponentially weighted prefill work by TTFT SLO, in log-spaced buckets."""
 
-    __slots__ = ("_t_ref", "_total", "_weights", "tau_s")
+    __slots__ = ("_last", "_t_ref", "_total", "_weights", "tau_s")
 
     def __init__(self, tau_s: float) -> None:
         if tau_s <= 0:
@@ -40,6 +40,9 @@ class SloMix:
         self._weights = [0.0] * BUCKETS
         self._total = 0.0
         self._t_ref = 0.0
+        # the last query's bucket and answer: a decision asks once per engine it scores, with
+        # no add in between
+        self._last: tuple[int, float] | None = None
 
     @staticmethod
     def bucket(slo_ms: float) -> int:
@@ -62,6 +65,7 @@ class SloMix:
         w = work_ms * math.exp(age)
         self._weights[self.bucket(slo_ms)] += w
         self._total += w
+        self._last = None
 
     def share_sooner(self, slo_ms: float) -> float:
         """The share of recent prefill work whose SLO was shorter than ``slo_ms`` (its own
@@ -69,9 +73,14 @@ class SloMix:
         if self._total <= 0.0:
             return 0.0
         b = self.bucket(slo_ms)
+        last = self._last
+        if last is not None and last[0] == b:
+            return last[1]
         weights = self._weights
         sooner = 0.5 * weights[b]
         for i in range(b):
             sooner += weights[i]
         share = sooner / self._total
-        return share if share < 1.0 else 1.0
+        share = share if share < 1.0 else 1.0
+        self._last = (b, share)
+        return share

