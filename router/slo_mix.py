@@ -12,9 +12,9 @@ the time against the 84% it expected.
 
 :class:`SloMix` keeps, for the whole fleet, how much of the recently routed prefill work had a
 TTFT SLO shorter than a given one (exponentially weighted, ``tau_s``): the share of an engine's
-prefill utilization that would overtake a request with that SLO. It is an upper bound (a request
-arriving later overtakes only with an SLO shorter by the time since), and fleet-wide, not per
-engine: routers mix the classes over the engines.
+prefill utilization that would overtake a request with that SLO (the caller asks with the SLO less
+half the request's wait: an arrival overtakes only with an SLO shorter by the time since). It is
+fleet-wide, not per engine: routers mix the classes over the engines.
 """
 
 from __future__ import annotations

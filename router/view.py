@@ -160,25 +160,44 @@ class View:
             return ev.queued_prefill_ms
         return self.prefill_queue(ev, deadline)[0]
 
-    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
-        """:meth:`prefill_ahead_ms`, and how many of the router's requests queued there are
-        due later (a request due at ``deadline`` would delay them by its own prefill)."""
+    def prefill_queue(
+        self, ev: EngineView, deadline: float, share: float = 1.0
+    ) -> tuple[float, int, float]:
+        """:meth:`prefill_ahead_ms`; how many of the router's requests queued there are due
+        later (a request due at ``deadline`` would delay them by its own prefill); and the part
+        of the work ahead that will run: in deadline order, a request that cannot start in
+        time behind the ones before it (at ``share`` of the GPU for prefill) is rejected by the
+        engine while it waits, and never runs."""
         eng = self._cluster.engines.get(ev.engine_id)
         if eng is None:
-            return ev.queued_prefill_ms, 0
+            return ev.queued_prefill_ms, 0, ev.queued_prefill_ms
         now = self._now
         scale = ev.prefill_scale
-        ahead = eng.foreign_prefill_tokens
+        prof = ev.profile
         behind = 0
+        foreign = eng.foreign_prefill_tokens
+        tokens_ahead = foreign
+        ahead: list[tuple[float, int, float]] = []
         for due, tokens, prefill_s, done in eng.open_prefill.values():
             if done <= now:
                 continue  # (an engine without request events: presumably prefilled by now)
             if due <= deadline:
                 if due - now >= prefill_s:
-                    ahead += tokens
+                    tokens_ahead += tokens
+                    ahead.append((due, tokens, prefill_s))
             else:
                 behind += 1
-        return (ev.profile.prefill_ms(ahead) * scale if ahead > 0 else 0.0), behind
+        ahead_ms = prof.prefill_ms(tokens_ahead) * scale if tokens_ahead > 0 else 0.0
+        if len(ahead) <= 1:
+            return ahead_ms, behind, ahead_ms
+        ahead.sort()
+        tokens_run = foreign
+        run_ms = prof.prefill_ms(foreign) * scale if foreign > 0 else 0.0
+        for due, tokens, prefill_s in ahead:
+            if now + (run_ms / 1000.0 + prefill_s) / share <= due:
+                tokens_run += tokens
+                run_ms = prof.prefill_ms(tokens_run) * scale
+        return ahead_ms, behind, run_ms
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         """How long until ``count`` of the router's requests decoding on ``ev`` have finished

@@ -258,9 +258,13 @@ class ClusterView(Protocol):
         queued work it cannot attribute (charged in full); at the engine's fitted speed."""
         ...
 
-    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
-        """:meth:`prefill_ahead_ms`, and how many requests queued on ``ev`` are due later (the
-        ones a request due at ``deadline`` would delay by its own prefill)."""
+    def prefill_queue(
+        self, ev: EngineView, deadline: float, share: float = 1.0
+    ) -> tuple[float, int, float]:
+        """:meth:`prefill_ahead_ms`; how many requests queued on ``ev`` are due later (the
+        ones a request due at ``deadline`` would delay by its own prefill); and the part of the
+        work ahead that will run (the rest cannot start in time behind the work before it, at
+        ``share`` of the GPU, and the engine rejects it)."""
         ...
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:

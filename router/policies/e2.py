@@ -48,7 +48,8 @@ engine *when would this request's first token come out there, and what does it c
 * SLO: an engine that cannot decode the request within its TPOT SLO even alone is skipped.
   When no engine is predicted to meet the TTFT SLO, the request still goes to the cheapest,
   unless even the best would miss by more than ``shed_factor`` x the SLO with nothing
-  overtaking it (``Estimate.ttft_floor_ms``: shedding is final): only then is it shed
+  overtaking it and only the work ahead that can still make its deadline running first
+  (``Estimate.ttft_floor_ms``: shedding is final): only then is it shed
   (429), naming the engine it would have gone to (``Decision.fallback``). Preferring the
   engines predicted to meet the SLO over cheaper ones (``prefer_feasible``) was measured worse:
   a holder whose queue looks too long is usually still the best place.

@@ -697,10 +697,29 @@ def test_queue_ahead_leaves_out_requests_that_can_no_longer_make_their_deadline(
     f.route("hopeless", b"h" * 80_000, 1.0, slo=Slo(big_ms / 2, 1000.0))  # cannot make it
     f.route("fine", b"f" * 8_000, 1.0, slo=Slo(5_000.0, 1000.0))
     view, ev = _view(f, 1.0)
-    ahead, behind = view.prefill_queue(ev, 1.0 + 10.0)
+    ahead, behind, _ = view.prefill_queue(ev, 1.0 + 10.0)
     assert ahead == pytest.approx(prof.prefill_ms(2_000))  # S-EDF runs "hopeless" last
-    ahead, behind = view.prefill_queue(ev, 1.0 + 1.0)  # due before "fine", after "hopeless"
+    ahead, behind, _ = view.prefill_queue(ev, 1.0 + 1.0)  # due before "fine", after "hopeless"
     assert (ahead, behind) == (0.0, 1)
+
+
+def test_work_ahead_that_cannot_start_in_time_behind_earlier_work_does_not_run() -> None:
+    """Two queued requests that could each make their deadline alone, but not one after the
+    other: the engine rejects the later-due one while it waits, so the soonest a third request
+    can start counts only the first (the routing queue keeps both)."""
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    one_ms = prof.prefill_ms(5_000)
+    slo = Slo(1.5 * one_ms, 1000.0)  # time for one 5,000-token prefill, not for two
+    f.route("first", b"a" * 20_000, 1.0, slo=slo)
+    f.route("second", b"b" * 20_000, 1.0001, slo=slo)
+    view, ev = _view(f, 1.0002)
+    ahead, behind, runs = view.prefill_queue(ev, 1.0 + 100.0)
+    assert behind == 0
+    assert ahead == pytest.approx(prof.prefill_ms(10_000))
+    assert runs == pytest.approx(prof.prefill_ms(5_000))
+    # at half the GPU (a decode batch running) not even the first can make it after nothing
+    assert view.prefill_queue(ev, 1.0 + 100.0, share=0.5)[2] == pytest.approx(0.0)
 
 
 def test_decoding_requests_set_the_prefill_share_and_the_next_release() -> None:

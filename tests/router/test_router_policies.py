@@ -83,6 +83,7 @@ class FakeView:
     halves: dict[int, tuple[float, float]] = field(default_factory=dict)
     releases: dict[str, float] = field(default_factory=dict)
     sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
+    asked: list[float] = field(default_factory=list)  # the SLOs share_due_sooner was asked
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
@@ -114,10 +115,14 @@ class FakeView:
     def prefill_ahead_ms(self, ev: EngineView, deadline: float) -> float:
         return ev.queued_prefill_ms * ev.prefill_scale  # hand-built: the whole queue is ahead
 
-    def prefill_queue(self, ev: EngineView, deadline: float) -> tuple[float, int]:
-        return self.prefill_ahead_ms(ev, deadline), 0
+    def prefill_queue(
+        self, ev: EngineView, deadline: float, share: float = 1.0
+    ) -> tuple[float, int, float]:
+        ahead = self.prefill_ahead_ms(ev, deadline)
+        return ahead, 0, ahead
 
     def share_due_sooner(self, ttft_slo_ms: float) -> float:
+        self.asked.append(ttft_slo_ms)
         return self.sooner
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
@@ -288,6 +293,21 @@ def test_a_busy_engine_stretches_the_wait_by_the_work_that_will_overtake() -> No
     packed = replace(busy, prefill_rate=5_000.0)
     capped = estimate(packed, c, 0, FakeView([packed], sooner=1.0), 0.0, {})
     assert capped.ttft_ms == pytest.approx(10 * wait + alone.admit_ms)
+
+
+def test_only_arrivals_due_sooner_overtake_so_a_long_wait_is_overtaken_by_tighter_slos() -> None:
+    """A request arriving t ms later overtakes only with an SLO shorter by t: over a wait W
+    the overtakers are the traffic whose SLO is shorter than this one's minus W / 2 (asked of
+    the fleet's SLO mix), not minus nothing (the upper bound, measured worse)."""
+    slo = Slo(ttft_ms=10_000.0, tpot_ms=100.0)
+    short = ev("short", hb=_hb(queued=0))
+    long = ev("long", hb=_hb(queued=40_000))
+    view = FakeView([short, long])
+    for e in (short, long):
+        est = estimate(e, ctx(slo=slo), 0, view, 0.0, {})
+        wait = (est.queue_ms + est.own_ms) / est.share
+        assert view.asked[-1] == pytest.approx(slo.ttft_ms - wait / 2)
+    assert view.asked[0] > view.asked[1]  # the longer queue: only tighter SLOs overtake it
 
 
 def test_e2_leaves_a_busy_engine_whose_queue_will_be_overtaken() -> None:
