@@ -3,7 +3,7 @@ priority scheduling against kvgate's (``--scheduler-cls kvgate.vllm.SloScheduler
 
     .venv/bin/python -m bench.bench_vllm_sched --vllm-python /tmp/vllm-venv/bin/python \\
         --tokenizer-dir PATH/TO/vllm-cpu/tiny-llama [--rates 1,2,3] [--duration 30] \\
-        [--slo-scale 4]
+        [--slo-scale 4] [--kvgate-option reject=true]
 
 Opt-in (needs vllm-cpu with kvgate installed in its environment, see ``docs/vllm.md``). For each
 scheduler in turn: two vllm-cpu engines, ``kvgate gateway`` in front of them (round robin, so
@@ -187,7 +187,14 @@ class Fleet:
     procs: list[subprocess.Popen]
 
 
-def engine_args(scheduler: str, port: int, engine_id: str, redis: str, prefix: str) -> list[str]:
+def engine_args(
+    scheduler: str,
+    port: int,
+    engine_id: str,
+    redis: str,
+    prefix: str,
+    kvgate_options: dict | None = None,
+) -> list[str]:
     if scheduler == "fcfs":
         return []
     if scheduler == "priority":
@@ -199,14 +206,35 @@ def engine_args(scheduler: str, port: int, engine_id: str, redis: str, prefix: s
             "broker_prefix": prefix,
             "url": f"http://{LOOPBACK}:{port}",
             "engine_id": engine_id,
+            **(kvgate_options or {}),
         }
     }
     return ["--scheduler-cls", "kvgate.vllm.SloScheduler", "--additional-config", json.dumps(cfg)]
 
 
+def parse_kvgate_options(items: list[str]) -> dict:
+    """``--kvgate-option KEY=VALUE`` items as the plug-in's JSON options (a value that parses
+    as JSON is taken as such: numbers, true/false; else the text)."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--kvgate-option {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
 @contextlib.contextmanager
 def fleet(
-    scheduler: str, vllm_python: str, model_dir: Path, redis: str, logs: Path
+    scheduler: str,
+    vllm_python: str,
+    model_dir: Path,
+    redis: str,
+    logs: Path,
+    kvgate_options: dict | None = None,
 ) -> Iterator[Fleet]:
     prefix = f"kvgate-bench-sched:{scheduler}:{os.getpid()}:"
     env = dict(
@@ -230,7 +258,8 @@ def fleet(
                     "--host", LOOPBACK, "--port", str(port), "--dtype", "float32",
                     "--max-model-len", "4096", "--block-size", "32", "--enable-prefix-caching",
                     "--uvicorn-log-level", "warning",
-                    *engine_args(scheduler, port, f"e{i}", redis, prefix)]  # fmt: skip
+                    *engine_args(scheduler, port, f"e{i}", redis, prefix,
+                                kvgate_options)]  # fmt: skip
             log = (logs / f"{scheduler}-vllm-{i}.log").open("w")
             # one core each: left to itself, every vllm-cpu engine binds its worker to core 0
             # (and reserves the next), so two engines would share one core
@@ -414,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-scale", type=float, default=1.0,
                     help="multiply every class's TTFT and TPOT SLO (1: FlowPrefill's)")  # fmt: skip
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--kvgate-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a plug-in option for the kvgate runs (kvgate.vllm.options), e.g. "
+                    "reject=true; repeatable")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--plot", type=Path, default=PLOT)
     ap.add_argument("--logs", type=Path, default=Path("results/tmp/vllm_sched_logs"))
@@ -425,13 +457,18 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown schedulers {sorted(bad)}; known: {', '.join(SCHEDULERS)}")
     rates = [float(x) for x in args.rates.split(",")]
+    try:
+        kvgate_options = parse_kvgate_options(args.kvgate_option)
+    except ValueError as exc:
+        ap.error(str(exc))
     args.logs.mkdir(parents=True, exist_ok=True)
     model = ensure_model(args.vllm_python, args.tokenizer_dir, args.model_dir)
     results: dict[str, list[dict]] = {}
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     t0 = time.monotonic()
     for name in schedulers:
-        with fleet(name, args.vllm_python, model, args.redis, args.logs) as f:
+        opts = kvgate_options if name == "kvgate" else None
+        with fleet(name, args.vllm_python, model, args.redis, args.logs, opts) as f:
             runs = []
             for rate in rates:
                 run = run_rate(f, rate, args.duration, args.seed, args.slo_scale)
@@ -465,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "slo_scale": args.slo_scale,
         "profile": PROFILE,
+        "kvgate_options": kvgate_options,
         "runs": merged,
         "knee_90": knees,
         "wall_s": round(time.monotonic() - t0, 1),
