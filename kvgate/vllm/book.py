@@ -131,6 +131,11 @@ class BookStats:
     tpot_raised: int = 0  # TPOT SLOs below what the engine can do alone, raised to it
     finished: int = 0
     cancelled: int = 0
+    # steps as run against the cost profile's plan for them (ms, summed): the policy sizes its
+    # steps on the profile, so a ratio far from 1 says the profile needs refitting
+    step_exec_ms: int = 0
+    step_planned_ms: int = 0
+    steps_over_plan: int = 0  # steps that took over 1.5x their plan (and 5 ms more)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -186,6 +191,7 @@ class VllmBook(SchedBook):
         self._step_prefill = 0
         self._step_prefill_ids: list[str] = []
         self._step_decode: list[ReqState] = []
+        self._step_planned_ms = 0.0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -401,6 +407,7 @@ class VllmBook(SchedBook):
                 st.prefilled = min(max(computed - st.cached_tokens, 0), st.prefill_tokens)
         # what the step's prefill really was (vLLM's own cache hits can shorten a piece)
         self._step_prefill = sum(result.tokens.get(rid, 0) for rid in self._step_prefill_ids)
+        self._step_planned_ms = self._planned_ms()
         self._advance_unit()
         for rid in result.evicted:
             self._evicted(rid)
@@ -480,10 +487,31 @@ class VllmBook(SchedBook):
         st.credit = 0.0
         self.decoding.append(st)
 
+    def _planned_ms(self) -> float:
+        """The step vLLM just scheduled, on the cost profile: its decode batch, then its
+        prefill tokens after the unit's context."""
+        prof = self.profile
+        decode = self._step_decode
+        ms = 0.0
+        if decode:
+            ms += prof.decode_step_ms(len(decode), sum(st.context for st in decode) / len(decode))
+        unit = self._step_unit
+        if self._step_prefill and unit is not None and unit.pieces:
+            ms += prof.prefill_ms(self._step_prefill, unit.pieces[0][2])
+        return ms
+
     def step_executed(self, ms: float) -> None:
         """The last order ran on the model for ``ms``: the figures routers fit speed from
         (prefill: the steps that prefilled a request, with their prefill tokens, for its
-        FirstToken; decode: steps that only decoded, for the heartbeat)."""
+        FirstToken; decode: steps that only decoded, for the heartbeat), and the step's time
+        against its plan (``BookStats.step_exec_ms`` / ``step_planned_ms``)."""
+        stats = self.stats
+        planned = self._step_planned_ms
+        self._step_planned_ms = 0.0
+        stats.step_exec_ms += round(ms)
+        stats.step_planned_ms += round(planned)
+        if ms > 1.5 * planned + 5.0:
+            stats.steps_over_plan += 1
         if self._step_prefill:
             for rid in self._step_prefill_ids:
                 ex = self._extra.get(rid)

@@ -326,3 +326,19 @@ def test_events_name_requests_by_the_gateway_id_and_carry_slos_and_load() -> Non
     assert isinstance(fin, RequestFinished)
     assert (fin.output_tokens, fin.tpot_ms) == (3, pytest.approx(50.0))
     assert b.running == 0 and not b.waiting and "vllm-1" not in b
+
+
+def test_steps_are_timed_against_the_profiles_plan_for_them() -> None:
+    """Each step's run time is summed beside what the profile planned for it (a 100-token
+    prefill alone: 100 ms on the test profile), and a step over 1.5x its plan is counted:
+    the operator's sign that the profile the policy sizes steps with needs refitting."""
+    b = book()
+    f = FakeVllm(b)
+    f.add("r", 100, slo=RELAXED, now=0.0, max_tokens=3)
+    f.step(0.0, exec_ms=90.0)  # the whole prefill, a bit faster than planned
+    assert (b.stats.step_exec_ms, b.stats.step_planned_ms) == (90, 100)
+    assert b.stats.steps_over_plan == 0
+    f.step(0.1, exec_ms=40.0)  # one decode step (1 x 1 + 10 = 11 ms planned): far over
+    assert (b.stats.step_exec_ms, b.stats.step_planned_ms) == (130, 111)
+    assert b.stats.steps_over_plan == 1
+    assert b.stats.as_dict()["steps_over_plan"] == 1
