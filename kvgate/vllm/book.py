@@ -48,6 +48,7 @@ from broker.events import (
     RequestRejected,
     RequestStarted,
 )
+from engine.costs import TtftPredictor
 from engine.scheduler.book import SchedBook
 from engine.scheduler.slo import SloPolicy
 from engine.scheduler.state import (
@@ -59,6 +60,12 @@ from engine.scheduler.state import (
 )
 from kvgate.cost_model import CostProfile
 from kvgate.slo import Slo
+
+# fitting the profile to the steps as they run (fit_speed)
+FIT_ALPHA = 0.02  # weight of one step in the running mean of log(run / plan)
+FIT_EVERY = 200  # steps between refits
+FIT_TOLERANCE = 1.1  # refit when the steps run more than this off their plan (either way)
+MIN_SPEED, MAX_SPEED = 0.25, 8.0
 
 __all__ = ["Arrival", "BookStats", "Capacity", "StepOrder", "StepResult", "VllmBook"]
 
@@ -136,6 +143,7 @@ class BookStats:
     step_exec_ms: int = 0
     step_planned_ms: int = 0
     steps_over_plan: int = 0  # steps that took over 1.5x their plan (and 5 ms more)
+    speed_permille: int = 1000  # the fitted speed factor (fit_speed), x1000
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -167,9 +175,15 @@ class VllmBook(SchedBook):
         *,
         reject: bool = False,
         max_step_ms: float | None = None,
+        fit_speed: bool = False,
     ) -> None:
         base = config or SchedulerConfig()
         super().__init__(profile, replace(base, reject_infeasible=reject))
+        self.base_profile = profile
+        self.fit_speed = fit_speed
+        self.speed = 1.0  # the steps' run time over the base profile's plan, fitted
+        self._log_ratio = 0.0  # mean log(run / plan) on the current profile, since the last fit
+        self._fit_steps = 0
         self.policy = SloPolicy()
         self.reject_mode = reject
         self.max_step_ms = max_step_ms if max_step_ms and max_step_ms > 0 else None
@@ -487,6 +501,29 @@ class VllmBook(SchedBook):
         st.credit = 0.0
         self.decoding.append(st)
 
+    def _fit_step(self, ratio: float) -> None:
+        """Fold one step's run/plan ratio in; every ``FIT_EVERY`` steps, when the steps run
+        more than ``FIT_TOLERANCE`` off their plan, slow (or speed) the profile the policy plans
+        with by that much. The profile keeps its name: routers load it by name and fit the
+        engine's speed from its reports themselves."""
+        self._log_ratio += FIT_ALPHA * (math.log(ratio) - self._log_ratio)
+        self._fit_steps += 1
+        if self._fit_steps < FIT_EVERY:
+            return
+        self._fit_steps = 0
+        if abs(self._log_ratio) <= math.log(FIT_TOLERANCE):
+            return
+        speed = min(max(self.speed * math.exp(self._log_ratio), MIN_SPEED), MAX_SPEED)
+        self._log_ratio = 0.0
+        if speed == self.speed:
+            return
+        self.speed = speed
+        self.stats.speed_permille = round(speed * 1000)
+        base = self.base_profile
+        self.profile = replace(base.slowed(speed), name=base.name)
+        # (fit here, not through the process-wide cache: every refit is a new profile)
+        self.predict = TtftPredictor.fit(self.profile, self.config.predictor_max_tokens)
+
     def _planned_ms(self) -> float:
         """The step vLLM just scheduled, on the cost profile: its decode batch, then its
         prefill tokens after the unit's context."""
@@ -512,6 +549,8 @@ class VllmBook(SchedBook):
         stats.step_planned_ms += round(planned)
         if ms > 1.5 * planned + 5.0:
             stats.steps_over_plan += 1
+        if self.fit_speed and planned >= 1.0 and ms > 0.0:
+            self._fit_step(ms / planned)
         if self._step_prefill:
             for rid in self._step_prefill_ids:
                 ex = self._extra.get(rid)

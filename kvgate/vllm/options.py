@@ -23,6 +23,8 @@ key                    environment                 meaning
 ``stats_s``            ``KVGATE_STATS_S``          interval of the counters' log line (60)
 ``max_step_ms``        ``KVGATE_MAX_STEP_MS``      longest prefill step on the profile (100; 0:
                                                    off): vLLM preempts only between steps
+``fit_speed``          ``KVGATE_FIT_SPEED``        fit the profile's speed to the steps' run time
+                                                   (default on)
 ``scheduler``          (none)                      SchedulerConfig fields: token_budget,
                                                    min_slack_frac, tpot_guard, chunk_tokens,
                                                    layers, vbs_safety, vbs_margin
@@ -63,6 +65,7 @@ _ENV = {
     "heartbeat_s": "KVGATE_HEARTBEAT_S",
     "stats_s": "KVGATE_STATS_S",
     "max_step_ms": "KVGATE_MAX_STEP_MS",
+    "fit_speed": "KVGATE_FIT_SPEED",
 }
 
 
@@ -86,6 +89,7 @@ class PluginOptions:
     heartbeat_s: float = 0.05
     stats_s: float = 60.0
     max_step_ms: float = 100.0
+    fit_speed: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -124,7 +128,7 @@ def parse_options(
     opts = PluginOptions(
         profile=_text(values, "profile", DEFAULT_PROFILE),
         default_slo=_slo_class(values.get("default_slo", DEFAULT_SLO_CLASS)),
-        reject=_flag(values.get("reject", False)),
+        reject=_flag(values.get("reject", False), "reject"),
         broker=_opt_text(values, "broker"),
         broker_prefix=_text(values, "broker_prefix", "kvgate:"),
         url=_url(values.get("url")),
@@ -134,6 +138,7 @@ def parse_options(
         heartbeat_s=_seconds(values.get("heartbeat_s", 0.05), "heartbeat_s", 0, 60),
         stats_s=_seconds(values.get("stats_s", 60.0), "stats_s", 1, 3600),
         max_step_ms=_ms(values.get("max_step_ms", 100.0)),
+        fit_speed=_flag(values.get("fit_speed", True), "fit_speed"),
         scheduler=_scheduler(raw.get("scheduler")),
     )
     if opts.broker is not None and opts.url is None:
@@ -161,12 +166,12 @@ def _slo_class(v: Any) -> str:
     return v.strip().lower()
 
 
-def _flag(v: Any) -> bool:
+def _flag(v: Any, name: str) -> bool:
     if isinstance(v, bool):
         return v
     if isinstance(v, str) and v.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no"):
         return v.strip().lower() in ("1", "true", "yes", "on")
-    raise OptionsError("kvgate option 'reject' must be true or false")
+    raise OptionsError(f"kvgate option {name!r} must be true or false")
 
 
 def _url(v: Any) -> str | None:

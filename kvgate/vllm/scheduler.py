@@ -82,7 +82,11 @@ class SloScheduler(Scheduler):
         self.kvgate_options: PluginOptions = options
         profile = load_profile(options.profile)
         self._book = VllmBook(
-            profile, options.scheduler, reject=options.reject, max_step_ms=options.max_step_ms
+            profile,
+            options.scheduler,
+            reject=options.reject,
+            max_step_ms=options.max_step_ms,
+            fit_speed=options.fit_speed,
         )
         self._default_slo = SLO_CLASSES[options.default_slo]
         self._rejects: dict[str, str] = {}

@@ -342,3 +342,35 @@ def test_steps_are_timed_against_the_profiles_plan_for_them() -> None:
     assert (b.stats.step_exec_ms, b.stats.step_planned_ms) == (130, 111)
     assert b.stats.steps_over_plan == 1
     assert b.stats.as_dict()["steps_over_plan"] == 1
+
+
+def test_fit_speed_slows_the_plan_to_the_steps_as_they_run() -> None:
+    """Steps that run twice their plan make the book plan on a profile twice as slow (same
+    name: routers load it by name), so its slices and feasibility match the engine; off by
+    default in the book (the plug-in turns it on)."""
+    import math
+
+    b = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
+    f = FakeVllm(b)
+    t = 0.0
+    for i in range(800):
+        f.add(f"r{i}", 20, slo=RELAXED, now=t, max_tokens=2)
+        f.step(t, exec_ms=1.0)
+        t += 0.05
+    # what the fake reported is 1 ms a step, far under plan: the profile speeds up
+    assert b.speed < 1.0 and b.stats.speed_permille == round(b.speed * 1000)
+    slow = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
+    for _ in range(1000):  # a step the base profile plans at 50 ms takes 100
+        slow._step_planned_ms = 50.0 * slow.speed  # (what the current profile plans)
+        slow.step_executed(100.0)
+    assert slow.speed == pytest.approx(2.0, rel=0.1)
+    assert slow.profile.name == PROFILE.name
+    assert slow.profile.prefill_ms(100) == pytest.approx(2 * PROFILE.prefill_ms(100), rel=0.1)
+    assert slow.predict(1000) > 1.8 * book().predict(1000)
+    assert math.isclose(book().speed, 1.0)
+    # steps on plan: nothing changes
+    steady = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
+    for _ in range(1000):
+        steady._step_planned_ms = 50.0
+        steady.step_executed(52.0)
+    assert steady.speed == 1.0 and steady.profile is PROFILE
