@@ -273,6 +273,21 @@ def default_profile() -> CostProfile:
     return load_profile(DEFAULT_PROFILE)
 
 
+MIN_PREFILL_SHARE = 0.05  # prefill's share of a saturated decoder's GPU (one operator a step)
+
+
+def prefill_share(decode_step_ms: float, step_budget_ms: float) -> float:
+    """The share of an engine's GPU time its prefill gets while a decode batch runs: every step
+    is one decode iteration of ``decode_step_ms`` and then a prefill slice, the whole step cut
+    to ``step_budget_ms`` (SCORPIO's TPOT guard), so a prefill takes ``1 / share`` times its
+    lone time (at least :data:`MIN_PREFILL_SHARE`: a step runs at least one prefill operator).
+    The router predicts TTFT with it and the engine's S-EDF judges slack with it."""
+    if decode_step_ms <= 0 or not step_budget_ms > 0 or not math.isfinite(step_budget_ms):
+        return 1.0
+    share = 1.0 - decode_step_ms / step_budget_ms
+    return share if share > MIN_PREFILL_SHARE else MIN_PREFILL_SHARE
+
+
 LOG_CLIP = math.log(8.0)  # one sample says at most 8x slower or faster than the profile
 
 

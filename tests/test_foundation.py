@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from engine_reporter.hashing import ROOT, block_hash, chain_hashes, split_blocks
-from kvgate.cost_model import CostProfile, ProfileError, default_profile, load_profile
+from kvgate.cost_model import (
+    MIN_PREFILL_SHARE,
+    CostProfile,
+    ProfileError,
+    default_profile,
+    load_profile,
+    prefill_share,
+)
 from kvgate.openai_request import (
     ChatTemplate,
     RequestError,
@@ -37,6 +46,13 @@ def test_default_profile_matches_preble_equation() -> None:
     assert p.decode_step_ms(2, 100) == pytest.approx(1.7e-4 * 200 + 0.16 + 19)
     assert p.tokens_for_bytes(9) == 3 and p.tokens_for_bytes(0) == 1
     assert p.block_bytes == 64
+
+
+def test_prefill_share_is_what_the_decode_step_leaves_of_the_step_budget() -> None:
+    assert prefill_share(0.0, 90.0) == 1.0  # nothing decodes
+    assert prefill_share(30.0, 90.0) == pytest.approx(2 / 3)
+    assert prefill_share(120.0, 90.0) == MIN_PREFILL_SHARE  # one operator a step, at least
+    assert prefill_share(30.0, math.inf) == 1.0  # no TPOT SLO to keep
 
 
 def test_profile_round_trip_and_errors(tmp_path) -> None:

@@ -4,13 +4,15 @@ Prefill (FlowPrefill, arXiv 2602.16603), event-driven: a decision at every step 
 includes every arrival-triggered preemption and every prefill completion.
 
 * S-EDF: ``deadline = arrival + TTFT_SLO``;
-  ``slack = (deadline - now) - max(pred_ttft(tokens) - executed, 0)``;
+  ``slack = (deadline - now) - max(pred_ttft(tokens) - executed, 0) / share``, ``share`` the
+  part of each step prefill gets beside the decode batch (see *Sharing the GPU* below);
   ``priority = sign(slack) / deadline``, highest first: feasible requests earliest deadline
   first, infeasible ones after them (latest deadline first, as the formula orders negatives).
-  With ``reject_infeasible`` (default) a *waiting* request whose slack is negative is rejected.
+  With ``reject_infeasible`` (default) a *waiting* request is rejected once it could no longer
+  make its deadline even at full speed (rejection is final; the decode batch may drain).
 * SLO-aware batching: around the head H (the best admissible waiting request), add waiting
   requests in priority order while the batch's new tokens stay within G (``token_budget``) and
-  ``time_left(H) - pred_ttft(total) >= min_slack_frac x TTFT_SLO(H)``; no batching when H
+  ``time_left(H) - pred_ttft(total) / share >= min_slack_frac x TTFT_SLO(H)``; no batching when H
   alone exceeds G or has less than that fraction of its SLO in hand.
 * Preemption: a prefill batch runs as ``2 x layers`` equal operators; an arrival with a higher
   priority cuts it at the next operator boundary; the paused batch keeps its progress and
@@ -41,6 +43,7 @@ import math
 
 from engine.scheduler.base import SchedView
 from engine.scheduler.state import Phase, PrefillUnit, ReqState, StepPlan
+from kvgate.cost_model import prefill_share
 
 Key = tuple[int, float, int]
 
@@ -97,18 +100,35 @@ class SloPolicy:
     def preempts(self, view: SchedView, st: ReqState, running: PrefillUnit, now: float) -> bool:
         if not running.preemptible or not self._startable(view, st):
             return False
-        return self._key(view, st, now) < self._unit_key(view, running, now)
+        stretch = self._stretch(view)
+        return self._key(view, st, now, stretch) < self._unit_key(view, running, now, stretch)
 
     # ------------------------------------------------------------------ priorities
 
-    def _key(self, view: SchedView, st: ReqState, now: float) -> Key:
+    def _stretch(self, view: SchedView) -> float:
+        """Wall time per ms of prefill while the decode batch runs beside it: each step is one
+        decode iteration (on average the credit batch, ``VBS = T_min x sum 1/TPOT``) and then a
+        prefill slice, cut so that the step lasts ``tpot_guard x T_min``
+        (:func:`kvgate.cost_model.prefill_share`). Slack judged on the lone prefill time let
+        S-EDF start requests, and batch them, with slack they did not have: measured in the
+        simulator, batches finished just past their head's deadline, all members late."""
+        decoding = view.decoding
+        if not decoding:
+            return 1.0
+        tmin = min(st.req.slo.tpot_ms for st in decoding)
+        batch = sum(tmin / st.req.slo.tpot_ms for st in decoding)
+        mean_ctx = sum(st.context for st in decoding) / len(decoding)
+        step_ms = view.profile.decode_step_ms(batch, mean_ctx)
+        return 1.0 / prefill_share(step_ms, view.config.tpot_guard * tmin)
+
+    def _key(self, view: SchedView, st: ReqState, now: float, stretch: float) -> Key:
         """Sort key of a waiting request: lower runs first (S-EDF)."""
-        slack = st.deadline - now - view.predict(st.prefill_tokens) / 1000.0
+        slack = st.deadline - now - view.predict(st.prefill_tokens) * stretch / 1000.0
         if slack >= 0:
             return (0, st.deadline, st.seq)
         return (1, -st.deadline, st.seq)
 
-    def _unit_key(self, view: SchedView, unit: PrefillUnit, now: float) -> Key:
+    def _unit_key(self, view: SchedView, unit: PrefillUnit, now: float, stretch: float) -> Key:
         """A unit runs at the priority of its best member."""
         left_ms = max(unit.pred_ms - unit.executed_ms, 0.0)
         best: Key = (2, 0.0, 0)
@@ -116,7 +136,7 @@ class SloPolicy:
             if st.unit is not unit:
                 continue
             after = st.remaining_prefill - n  # chunks still to come after this unit
-            slack = st.deadline - now - (left_ms + view.predict(after)) / 1000.0
+            slack = st.deadline - now - (left_ms + view.predict(after)) * stretch / 1000.0
             key = (0, st.deadline, st.seq) if slack >= 0 else (1, -st.deadline, st.seq)
             best = min(best, key)
         return best
@@ -173,6 +193,7 @@ class SloPolicy:
 
     def _choose_unit(self, view: SchedView, now: float) -> PrefillUnit | None:
         cfg = view.config
+        stretch = self._stretch(view)
         best_unit: PrefillUnit | None = None
         best_unit_key: Key = (3, 0.0, 0)
         for st in view.prefilling:
@@ -180,20 +201,21 @@ class SloPolicy:
             if unit is None:  # between chunks: its next chunk becomes a unit of its own
                 n = min(st.remaining_prefill, cfg.chunk_tokens)
                 unit = view.make_unit([(st, n)], preemptible=True)
-            key = self._unit_key(view, unit, now)
+            key = self._unit_key(view, unit, now, stretch)
             if key < best_unit_key:
                 best_unit, best_unit_key = unit, key
-        ranked = sorted(view.waiting, key=lambda r: self._key(view, r, now))
+        keys = {id(r): self._key(view, r, now, stretch) for r in view.waiting}
+        ranked = sorted(view.waiting, key=lambda r: keys[id(r)])
         for i, head in enumerate(ranked):
-            if self._key(view, head, now) >= best_unit_key:
+            if keys[id(head)] >= best_unit_key:
                 break  # the best paused or running unit outranks every waiting request left
             if not self._startable(view, head):
                 continue
-            return self._batch(view, head, ranked[i + 1 :], now)
+            return self._batch(view, head, ranked[i + 1 :], now, stretch)
         return best_unit
 
     def _batch(
-        self, view: SchedView, head: ReqState, rest: list[ReqState], now: float
+        self, view: SchedView, head: ReqState, rest: list[ReqState], now: float, stretch: float
     ) -> PrefillUnit:
         """FlowPrefill's SLO-aware batching around ``head`` (admits every member)."""
         cfg = view.config
@@ -204,12 +226,12 @@ class SloPolicy:
         total = first
         time_left_ms = (head.deadline - now) * 1000.0
         reserve_ms = cfg.min_slack_frac * head.req.slo.ttft_ms
-        if total <= cfg.token_budget and time_left_ms - view.predict(total) >= reserve_ms:
+        if total <= cfg.token_budget and time_left_ms - view.predict(total) * stretch >= reserve_ms:
             for st in rest:
                 if st.phase is not Phase.WAITING or st.prefill_tokens > cfg.chunk_tokens:
                     continue
                 n = total + st.prefill_tokens
-                if n > cfg.token_budget or time_left_ms - view.predict(n) < reserve_ms:
+                if n > cfg.token_budget or time_left_ms - view.predict(n) * stretch < reserve_ms:
                     continue
                 if not self._startable(view, st) or not view.admit(st, now):
                     continue

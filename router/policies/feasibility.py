@@ -15,9 +15,9 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
 * ``share``: the part of the GPU that prefill gets. While requests decode, the engine runs a
   decode step of ``D`` ms in every step and cuts each step to ``0.9 x T_min`` (the tightest
   decoding TPOT SLO; ``engine.scheduler.slo``), so prefill runs at ``1 - D / (0.9 T_min)`` of
-  full speed (at least ``MIN_SHARE``), ``D`` being the decode step of the router's decoding
-  requests there. A busy decoder prefills slowly: an engine with a short queue but a large decode
-  batch is not a fast choice;
+  full speed (:func:`kvgate.cost_model.prefill_share`, which the engine's S-EDF uses too),
+  ``D`` being the decode step of the router's decoding requests there. A busy decoder
+  prefills slowly: an engine with a short queue but a large decode batch is not a fast choice;
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
   until a decoding request finishes and frees room;
@@ -56,6 +56,7 @@ import math
 
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
+from kvgate.cost_model import prefill_share as cost_prefill_share
 from router.api import Decision
 from router.policies.base import (
     ClusterView,
@@ -68,7 +69,6 @@ from router.policies.base import (
 TPOT_SAFETY = 1.3  # SCORPIO's margin on the decode-time estimate
 TPOT_HEADROOM = 0.99
 STEP_BUDGET = 0.9  # the engine cuts a step to this x the tightest decoding TPOT SLO
-MIN_SHARE = 0.05  # prefill's share of a saturated decoder's GPU (at least one operator a step)
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 RATE_TAU_S = 10.0  # EngineView.rate_per_s decays with this time constant
 CONGESTED = 0.95  # a decode batch this full (or fuller) is as congested as it gets
@@ -201,10 +201,9 @@ def decode_step_ms(ev: EngineView) -> float:
 
 def prefill_share(ev: EngineView) -> float:
     """The share of ``ev``'s GPU time its prefill gets while its decode batch runs."""
-    if ev.decoding <= 0 or not math.isfinite(ev.decode_tpot_min_ms):
+    if ev.decoding <= 0:
         return 1.0
-    share = 1.0 - decode_step_ms(ev) / (STEP_BUDGET * ev.decode_tpot_min_ms)
-    return share if share > MIN_SHARE else MIN_SHARE
+    return cost_prefill_share(decode_step_ms(ev), STEP_BUDGET * ev.decode_tpot_min_ms)
 
 
 def estimate(

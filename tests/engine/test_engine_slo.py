@@ -206,3 +206,18 @@ def test_prefill_slices_keep_decode_within_tpot() -> None:
     d = next(o for o in outs if o.request_id == "D" and o.usage)
     assert d.usage.tpot_ms <= 90.0 + 1e-6
     assert first_token_times(outs)["P"] > 2.0  # prefill slowed, but served
+
+
+def test_slack_counts_the_gpu_share_the_decode_batch_takes() -> None:
+    # D decodes throughout (a 31 ms step in a 90 ms step budget: prefill gets 0.656 of the GPU).
+    # H (500 ms of prefill alone, 1000 ms TTFT SLO) would have 200 ms in hand beside S's 300 ms
+    # at full speed, enough to batch them; at the share left, the batch takes ~1220 ms and H
+    # would miss. Judged on its share, H runs alone (~760 ms) and meets its SLO.
+    c = core(profile=linear_profile(decode_d=30.0))
+    c.submit(req("D", 10, tpot_ms=100, out=200), 0.0)
+    run_until(c, 0.02)
+    c.submit(req("H", 500, ttft_ms=1000, at=0.02), 0.02)
+    c.submit(req("S", 300, ttft_ms=200_000, at=0.02), 0.02)
+    ft = first_token_times(run_until(c, 5.0))
+    assert ft["H"] - 0.02 <= 1.0
+    assert ft["S"] > ft["H"] + 0.3  # not batched with H
