@@ -59,6 +59,7 @@ from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf, arrivals, lognormal_int
 from kvgate.slo import SLO_CLASSES, Slo
 from kvgate.stats import percentile
+from router.options import json_values
 
 ROOT = Path(__file__).resolve().parents[1]  # this checkout's kvgate, ahead of vLLM's copy
 RESULT = Path("results/vllm_sched.json")
@@ -213,18 +214,9 @@ def engine_args(
 
 
 def parse_kvgate_options(items: list[str]) -> dict:
-    """``--kvgate-option KEY=VALUE`` items as the plug-in's JSON options (a value that parses
-    as JSON is taken as such: numbers, true/false; else the text)."""
-    out: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--kvgate-option {item!r}: expected KEY=VALUE")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
+    """``--kvgate-option KEY=VALUE`` items as the plug-in's JSON options
+    (:func:`router.options.json_values`)."""
+    return json_values(items, "--kvgate-option: expected KEY=VALUE")
 
 
 @contextlib.contextmanager

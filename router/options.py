@@ -54,18 +54,28 @@ def add_router_options(group: Any) -> None:
     )
 
 
-def policy_options(pairs: list[str]) -> dict[str, Any]:
-    """``NAME=VALUE`` pairs; a value is JSON when it parses as JSON, else the string."""
+def json_values(pairs: list[str], usage: str) -> dict[str, Any]:
+    """A repeatable flag's ``NAME=VALUE`` pairs; a value is JSON when it parses as JSON
+    (numbers, true/false), else the string. A pair without ``=`` or a name raises ValueError
+    with ``usage`` (what the flag wants)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise PolicyError(f"--policy-option wants NAME=VALUE, got {pair!r}")
+            raise ValueError(f"{usage}, got {pair!r}")
         try:
             out[name] = json.loads(value)
         except json.JSONDecodeError:
             out[name] = value
     return out
+
+
+def policy_options(pairs: list[str]) -> dict[str, Any]:
+    """``--policy-option NAME=VALUE`` pairs (:func:`json_values`)."""
+    try:
+        return json_values(pairs, "--policy-option wants NAME=VALUE")
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
