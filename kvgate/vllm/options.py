@@ -23,8 +23,8 @@ key                    environment                 meaning
 ``stats_s``            ``KVGATE_STATS_S``          interval of the counters' log line (60)
 ``max_step_ms``        ``KVGATE_MAX_STEP_MS``      longest prefill step on the profile (100; 0:
                                                    off): vLLM preempts only between steps
-``fit_speed``          ``KVGATE_FIT_SPEED``        fit the profile's speed to the steps' run time
-                                                   (default on)
+``fit_speed``          ``KVGATE_FIT_SPEED``        fit the profile's speed and a per-step overhead
+                                                   to the steps' run time (default on)
 ``scheduler``          (none)                      SchedulerConfig fields: token_budget,
                                                    min_slack_frac, tpot_guard, chunk_tokens,
                                                    layers, vbs_safety, vbs_margin

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 from broker.events import LoadHeartbeat
 from kvgate.cost_model import CostProfile
@@ -327,11 +327,13 @@ class PolicyBase:
 # ---------------------------------------------------------------------- shared helpers
 
 
-def pick_min(
-    engines: Iterable[EngineView], key: Callable[[EngineView], object], rng: Rng
-) -> EngineView:
-    """The engine with the smallest ``key``; exact ties broken by the injected rng."""
-    best: list[EngineView] = []
+T = TypeVar("T")
+
+
+def pick_min(engines: Iterable[T], key: Callable[[T], object], rng: Rng) -> T:
+    """The engine (or scored engine) with the smallest ``key``; exact ties broken by the
+    injected rng."""
+    best: list[T] = []
     best_key: object = None
     for ev in engines:
         k = key(ev)

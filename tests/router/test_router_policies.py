@@ -238,6 +238,32 @@ def test_e2_tie_band_prefers_the_holder_then_the_least_loaded() -> None:
     assert make_policy("e2").choose(ctx(), view, 0.0).engine_id == "b"
 
 
+def test_e2_ties_go_where_the_least_traffic_goes() -> None:
+    # three engines equally cheap now (a short prompt: the recent rates' arrivals cost little);
+    # "a" is idle at this instant but has taken most of the recent traffic (a hot prefix lives
+    # there), "c" the least: a prefix nobody holds goes to c, as its later requests follow it
+    engines = [
+        replace(ev("a", load=0.0), rate_per_s=4.0),
+        replace(ev("b", load=300.0), rate_per_s=2.0),
+        replace(ev("c", load=600.0), rate_per_s=1.0),
+    ]
+    short = ctx(400)
+    assert make_policy("e2").choose(short, FakeView(engines), 0.0).engine_id == "c"
+    # the order before (outstanding work first) sends it to the hot engine
+    by_load = make_policy("e2", {"spread_by_traffic": False})
+    assert by_load.choose(short, FakeView(engines), 0.0).engine_id == "a"
+    # holding the most of the key still comes first: a and b hold it, c does not
+    view = FakeView(engines, matched={"a": 256, "b": 256})
+    assert make_policy("e2").choose(short, view, 0.0).engine_id == "b"
+    assert by_load.choose(short, view, 0.0).engine_id == "a"
+    # the rate is weighed by this request's prefill there: a twice-slower engine with 0.7x
+    # the traffic is busier for its speed (a wide band, so that both are in it)
+    slow = replace(engines[2], rate_per_s=1.4, prefill_scale=2.0)
+    wide = make_policy("e2", {"tie_rel": 2.0})
+    assert wide.choose(short, FakeView([engines[1], slow]), 0.0).engine_id == "b"
+    assert wide.choose(short, FakeView([engines[1], engines[2]]), 0.0).engine_id == "c"
+
+
 def test_e2_eviction_term_prices_what_fitting_the_request_evicts() -> None:
     engines = [ev("b", load=10.0), ev("c", free=0)]
     view = FakeView(engines, evictions={"c": 1000.0})

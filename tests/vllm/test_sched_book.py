@@ -361,7 +361,7 @@ def test_fit_speed_slows_the_plan_to_the_steps_as_they_run() -> None:
     assert b.speed < 1.0 and b.stats.speed_permille == round(b.speed * 1000)
     slow = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
     for _ in range(1000):  # a step the base profile plans at 50 ms takes 100
-        slow._step_planned_ms = 50.0 * slow.speed  # (what the current profile plans)
+        slow._step_base_ms = 50.0
         slow.step_executed(100.0)
     assert slow.speed == pytest.approx(2.0, rel=0.1)
     assert slow.profile.name == PROFILE.name
@@ -371,6 +371,44 @@ def test_fit_speed_slows_the_plan_to_the_steps_as_they_run() -> None:
     # steps on plan: nothing changes
     steady = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
     for _ in range(1000):
-        steady._step_planned_ms = 50.0
+        steady._step_base_ms = 50.0
         steady.step_executed(52.0)
     assert steady.speed == 1.0 and steady.profile is PROFILE
+
+
+def test_fit_speed_finds_a_per_step_overhead_the_profile_lacks() -> None:
+    """Steps of varied size that run 1.5x their plan plus 10 ms each (vLLM's own per-step
+    work): the book plans on 1.5x the profile with the 10 ms in every decode step, so a
+    small decode step is planned at its real time, not at a ratio fitted on big prefills."""
+    b = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
+    for i in range(1000):
+        base = (5.0, 20.0, 80.0)[i % 3]
+        b._step_base_ms = base
+        b.step_executed(1.5 * base + 10.0)
+    assert b.speed == pytest.approx(1.5, rel=0.02)
+    assert b.overhead_ms == pytest.approx(10.0, rel=0.05)
+    assert (b.stats.speed_permille, b.stats.overhead_us) == (
+        round(b.speed * 1000),
+        round(b.overhead_ms * 1000),
+    )
+    small = PROFILE.decode_step_ms(2, 100.0)
+    assert b.profile.decode_step_ms(2, 100.0) == pytest.approx(1.5 * small + 10.0, rel=0.02)
+    assert b.profile.prefill_ms(500) == pytest.approx(1.5 * PROFILE.prefill_ms(500), rel=0.02)
+    planned_small = b.profile.decode_step_ms(2, 100.0)
+    # then a long stretch of small decode steps only, 20% slower than that line: they are
+    # planned at their real time and the slope stays about what the varied steps showed (a
+    # ratio of the means would plan them, and every prefill, at ~4x the profile)
+    for _ in range(1000):
+        b._step_base_ms = 5.0
+        b.step_executed(1.2 * (1.5 * 5.0 + 10.0))
+    assert b.speed * 5.0 + b.overhead_ms == pytest.approx(21.0, rel=0.05)
+    assert 1.3 < b.speed < 2.0
+    # the old rule, one ratio of the means, would plan that small step at ~2x (not 1.5x + 10)
+    ratio = (1.5 * 35.0 + 10.0) / 35.0
+    assert ratio * small < 0.8 * planned_small
+    # plans that hardly vary cannot tell an overhead from a slope: the ratio alone
+    flat = VllmBook(PROFILE, SchedulerConfig(), fit_speed=True)
+    for _ in range(1000):
+        flat._step_base_ms = 40.0
+        flat.step_executed(70.0)
+    assert flat.speed == pytest.approx(1.75, rel=0.01) and flat.overhead_ms == 0.0
