@@ -96,7 +96,9 @@ def build_workload(opts: DemoOptions) -> list:
 async def demo_stack(
     policy: str, n_engines: int, seed: int = 0, port: int = 0
 ) -> AsyncIterator[Stack]:
-    """Engines, router and gateway on one fresh in-process broker; torn down on exit."""
+    """Engines, router and gateway on one fresh in-process broker; torn down on exit.
+    ``policy`` is a spec: a name, an ablation alias or ``name[option=value,...]``."""
+    from bench.sim.policies import parse_policy
     from broker import MemoryBroker
     from engine.server import EngineServerConfig
     from engine.server import serve as serve_engine
@@ -111,7 +113,9 @@ async def demo_stack(
             )
             runners.append(runner)
             engine_urls.append(url)
-        async with embedded_routing(broker, policy=policy, seed=seed) as routing:
+        name, options = parse_policy(policy)
+        extra = {"policy_options": options}
+        async with embedded_routing(broker, policy=name, seed=seed, router_config=extra) as routing:
             config = GatewayConfig(
                 port=0, debug_header=True, access_log=False, refresh_interval_s=0.5
             )
@@ -251,7 +255,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=int, default=d.max_requests)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
-        "--policies", default=",".join(d.policies), help="comma-separated (e2,round_robin)"
+        "--policies",
+        default=",".join(d.policies),
+        help="comma-separated policy specs: names, ablation aliases (e2-by-load) or "
+        "name[option=value,...] (e2,round_robin)",
     )
     parser.add_argument("--json", type=Path, help="also write the summaries as JSON here")
     parser.add_argument(
@@ -260,6 +267,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="e2", help="the --serve stack's policy (e2)")
     parser.add_argument("--port", type=int, default=0, help="the --serve gateway's port (free)")
     parser.add_argument("--log-level", default="warning")
+
+
+def check_policies(specs: Sequence[str]) -> str | None:
+    """What is wrong with the first bad policy spec (unknown name, alias or option), or None:
+    checked before any stack starts, so a typo is a one-line error, not a traceback."""
+    from bench.sim.policies import parse_policy
+    from router.policies.registry import make_policy
+
+    for spec in specs:
+        try:
+            make_policy(*parse_policy(spec))
+        except (ValueError, TypeError) as exc:  # PolicyError is a ValueError
+            return f"policy {spec!r}: {exc}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -272,6 +293,10 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
     )
+    problem = check_policies([args.policy] if args.serve else opts.policies)
+    if problem is not None:
+        print(f"kvgate demo: {problem}", file=sys.stderr)
+        return 2
     if args.serve:
         return asyncio.run(serve_demo(opts, args.policy, args.port))
     summaries = asyncio.run(compare(opts))

@@ -17,7 +17,7 @@ import openai
 import pytest
 from gw_harness import wait_until
 
-from bench.demo import MODEL, DemoOptions, compare, demo_stack, format_table
+from bench.demo import MODEL, DemoOptions, check_policies, compare, demo_stack, format_table
 from gateway.app import GATEWAY_KEY, Gateway, create_app, serve
 from gateway.config import GatewayConfig
 from gateway.routing import embedded_routing
@@ -187,6 +187,16 @@ async def test_demo_compares_policies_quickly() -> None:
         assert s["prefix_hit_rate"] is not None
     table = format_table(summaries)
     assert "e2" in table and "round_robin" in table and "TTFT p50" in table
+    # policy specs as the simulator takes them: an ablation alias, options in brackets
+    specs = ("e2-by-load", "e2[tie_rel=0.1]")
+    assert check_policies(specs) is None
+    opts = DemoOptions(engines=2, duration_s=3.0, rate=6.0, max_requests=24, policies=specs)
+    summaries = await compare(opts)
+    assert [s["policy"] for s in summaries] == list(specs)
+    assert all(s["ok"] >= s["requests"] * 0.9 and s["requests"] > 5 for s in summaries)
+    # a typo is a one-line error before anything starts
+    assert "unknown policy 'e2-bogus'" in (check_policies(["e2", "e2-bogus"]) or "")
+    assert "tie_rel" in (check_policies(["e2[tie_rel=fast]"]) or "")
 
 
 async def test_remote_router_mode_and_router_outage() -> None:
