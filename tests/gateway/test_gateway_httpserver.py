@@ -421,7 +421,7 @@ async def _head_deadline() -> None:
         raw, took = await _answer_to_a_trickle(port, b"GET /hello HTTP/1.1\r\nX-Slow: ")
         status, _, body = responses(raw)[0]
         assert status == 408 and "head" in orjson.loads(body)["error"]["message"]
-        assert 0.4 <= took < 3.0
+        assert 0.4 - 0.005 <= took < 3.0  # (uvloop rounds its timers to the ms)
         assert (srv.stats.head_timeouts, srv.stats.body_timeouts) == (1, 0)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         whole = req("GET", "/hello", extra=b"Connection: close\r\n")
@@ -444,7 +444,8 @@ async def _body_deadline() -> None:
             raw, took = await _answer_to_a_trickle(port, start)
             status, _, body = responses(raw)[0]
             assert status == 408 and "body" in orjson.loads(body)["error"]["message"]
-            assert 0.4 <= took < 3.0
+            # not before the deadline (uvloop's timers round to the millisecond: 0.3999 seen)
+            assert 0.4 - 0.005 <= took < 3.0
         assert (srv.stats.head_timeouts, srv.stats.body_timeouts) == (0, 2)
         assert app.bodies == []
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
