@@ -207,6 +207,11 @@ class StepFit:
         return fitted, overhead * scale
 
 
+def _within_tolerance(a: float, b: float) -> bool:
+    """``a`` and ``b`` (positive) within ``FIT_TOLERANCE`` of each other, either way."""
+    return max(a, b) <= FIT_TOLERANCE * min(a, b)
+
+
 class VllmBook(SchedBook):
     """The books and the SLO policy of one vLLM engine (see the module docstring)."""
 
@@ -467,7 +472,8 @@ class VllmBook(SchedBook):
         # what the step's prefill really was (vLLM's own cache hits can shorten a piece)
         self._step_prefill = sum(result.tokens.get(rid, 0) for rid in self._step_prefill_ids)
         self._step_planned_ms = self._planned_ms(self.profile)
-        self._step_base_ms = self._planned_ms(self.base_profile)
+        if self.fit_speed:
+            self._step_base_ms = self._planned_ms(self.base_profile)
         self._advance_unit()
         for rid in result.evicted:
             self._evicted(rid)
@@ -567,17 +573,15 @@ class VllmBook(SchedBook):
             return
         speed, overhead = line
         mean_base = fit.mean_x()
-        now = self.speed * mean_base + self.overhead_ms
-        fitted = speed * mean_base + overhead
-        if max(fitted, now) <= FIT_TOLERANCE * min(fitted, now) and (
-            max(speed, self.speed) <= FIT_TOLERANCE * min(speed, self.speed)
-        ):
+        if _within_tolerance(
+            speed * mean_base + overhead, self.speed * mean_base + self.overhead_ms
+        ) and _within_tolerance(speed, self.speed):
             return
         self.speed, self.overhead_ms = speed, overhead
         self.stats.speed_permille = round(speed * 1000)
         self.stats.overhead_us = round(overhead * 1000)
         base = self.base_profile
-        slowed = base.slowed(speed) if speed != 1.0 else base
+        slowed = base.slowed(speed)
         self.profile = replace(slowed, name=base.name, decode_d=slowed.decode_d + overhead)
         # (fit here, not through the process-wide cache: every refit is a new profile)
         self.predict = TtftPredictor.fit(self.profile, self.config.predictor_max_tokens)
