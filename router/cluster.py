@@ -178,19 +178,13 @@ class Cluster(ClusterState):
     def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         eng.decoding[request_id] = rec
         eng.decode_ctx += rec.ctx_tokens
-        t = rec.tpot_slo_ms
-        eng.decode_tpots[t] = eng.decode_tpots.get(t, 0) + 1
+        _count(eng.decode_tpots, rec.tpot_slo_ms, 1)
 
     def _stop_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         if eng.decoding.pop(request_id, None) is None:
             return
         eng.decode_ctx = eng.decode_ctx - rec.ctx_tokens if eng.decoding else 0.0
-        t = rec.tpot_slo_ms
-        left = eng.decode_tpots.get(t, 0) - 1
-        if left > 0:
-            eng.decode_tpots[t] = left
-        else:
-            eng.decode_tpots.pop(t, None)
+        _count(eng.decode_tpots, rec.tpot_slo_ms, -1)
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
         eng.tpots.append(tpot_ms)
@@ -311,6 +305,7 @@ class Cluster(ClusterState):
         eng.open_prefill[req.request_id] = (deadline, missed, own_s, done)
         eng.open_prefill_tokens += missed
         eng.inflight += 1
+        _count(eng.open_tpots, req.slo.tpot_ms, 1)
         eng.open_prefill_ms += prefill
         eng.open_out_tokens += req.max_tokens
         eng.open_ctx_tokens += ctx_tokens
@@ -349,6 +344,7 @@ class Cluster(ClusterState):
         eng = self.engines.get(rec.engine_id)
         if eng is not None:
             eng.inflight -= 1
+            _count(eng.open_tpots, rec.tpot_slo_ms, -1)
             if eng.open_prefill.pop(request_id, None) is not None:
                 eng.open_prefill_tokens -= rec.missed_tokens
             if rec.pending:
@@ -468,3 +464,13 @@ class Cluster(ClusterState):
                 for group in [g for g, (_, until) in table.items() if until <= now]:
                     del table[group]
             self.tree.gc(now)
+
+
+def _count(counts: dict[float, int], tpot_ms: float, delta: int) -> None:
+    """Add ``delta`` to the count of requests with this TPOT SLO (a count of 0 is removed: the
+    keys are the SLOs present)."""
+    left = counts.get(tpot_ms, 0) + delta
+    if left > 0:
+        counts[tpot_ms] = left
+    else:
+        counts.pop(tpot_ms, None)

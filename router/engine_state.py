@@ -135,6 +135,9 @@ class _Engine:
     decoding: dict[str, _Inflight] = field(default_factory=dict)
     decode_ctx: float = 0.0  # their summed context
     decode_tpots: dict[float, int] = field(default_factory=dict)  # their TPOT SLOs, counted
+    # the TPOT SLOs of all its in-flight requests, counted: their virtual batch (SCORPIO's VBS,
+    # router.policies.base.virtual_batch) is what the decode step will run
+    open_tpots: dict[float, int] = field(default_factory=dict)
     # queued prefill the last heartbeat reported beyond this router's requests queued there
     # at that moment (another router's): charged to every request until the next heartbeat.
     # (Not "reported queue minus open requests now": a heartbeat is up to a period old, and

@@ -22,7 +22,12 @@ from collections.abc import Iterable
 
 from router.api import RouteRequest
 from router.policies.base import EngineView
-from router.policies.feasibility import TPOT_HEADROOM, TPOT_SAFETY
+from router.policies.feasibility import (
+    TPOT_HEADROOM,
+    TPOT_SAFETY,
+    step_budget_tpot_ms,
+    virtual_batch,
+)
 
 DECODE_SUFFIX = ":decode"
 
@@ -60,11 +65,14 @@ def decode_score(ev: EngineView, req: RouteRequest, key_len: int) -> tuple:
     prof = ev.profile
     tokens = prof.prompt_tokens(req.input_tokens, key_len)
     mine = tokens + req.max_tokens / 2
-    batch = ev.inflight + 1
-    step = prof.decode_step_ms(batch, (ev.open_ctx_tokens + mine) / batch) * ev.decode_scale
+    # SCORPIO's admission over the virtual batch with it, at the tightest TPOT SLO there
+    t_min = min(req.slo.tpot_ms, step_budget_tpot_ms(ev))
+    batch = virtual_batch(ev, t_min) + t_min / req.slo.tpot_ms
+    ctx = (ev.open_ctx_tokens + mine) / (ev.inflight + 1)
+    step = prof.decode_step_ms(batch, ctx) * ev.decode_scale
     if ev.role != "decode":  # its own prefill work takes turns with its decode steps
         step += ev.queued_prefill_ms / max(req.max_tokens, 1)
-    headroom = TPOT_HEADROOM * req.slo.tpot_ms - step * TPOT_SAFETY
+    headroom = TPOT_HEADROOM * t_min - step * TPOT_SAFETY
     need = (tokens + req.max_tokens) * prof.bytes_per_token
     return (ev.free_bytes < need, headroom < 0, ev.role != "decode", step, ev.inflight, ev.position)
 

@@ -58,6 +58,10 @@ class EngineView:
     decoding: int = 0  # the router's requests there past their first token
     decode_ctx_tokens: float = 0.0  # their summed context (input + output / 2 tokens each)
     decode_tpot_min_ms: float = math.inf  # their tightest TPOT SLO (the engine's step budget)
+    # the in-flight requests' tightest TPOT SLO and sum of 1 / TPOT SLO (ms): their virtual
+    # batch (virtual_batch); a sum of 0 with requests in flight: unknown, each counts one
+    open_tpot_min_ms: float = math.inf
+    open_inv_tpot: float = 0.0
     rate_per_s: float = 0.0  # requests routed there per second recently, as of rate_t ...
     prefill_rate: float = 0.0  # ... and ms of prefill (their own, at its speed) per second
     rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
@@ -86,6 +90,8 @@ class EngineView:
         decoding: int = 0,
         decode_ctx_tokens: float = 0.0,
         decode_tpot_min_ms: float = math.inf,
+        open_tpot_min_ms: float = math.inf,
+        open_inv_tpot: float = 0.0,
         rate_per_s: float = 0.0,
         prefill_rate: float = 0.0,
         rate_t: float = 0.0,
@@ -112,6 +118,8 @@ class EngineView:
         self.decoding = decoding
         self.decode_ctx_tokens = decode_ctx_tokens
         self.decode_tpot_min_ms = decode_tpot_min_ms
+        self.open_tpot_min_ms = open_tpot_min_ms
+        self.open_inv_tpot = open_inv_tpot
         self.rate_per_s = rate_per_s
         self.prefill_rate = prefill_rate
         self.rate_t = rate_t

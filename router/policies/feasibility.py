@@ -174,9 +174,10 @@ def recent_rate(ev: EngineView, now: float) -> float:
 
 
 def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
-    """How many requests ``ev`` can decode together within ``tpot_ms`` by SCORPIO's admission
-    rule (``EstTPOT(B, L) x 1.3 < 0.99 x TPOT``, at the engine's fitted decode speed), the mean
-    context ``L`` taken over its requests in flight and this one (``ctx_tokens``)."""
+    """The virtual batch ``ev`` can decode within ``tpot_ms`` by SCORPIO's admission rule
+    (``EstTPOT(VBS, L) x 1.3 < 0.99 x TPOT``, at the engine's fitted decode speed): the largest
+    whole VBS strictly within it, in requests decoding every step (:func:`virtual_batch`), the
+    mean context ``L`` taken over its requests in flight and this one (``ctx_tokens``)."""
     prof = ev.profile
     mean_ctx = (ev.open_ctx_tokens + ctx_tokens) / (ev.inflight + 1)
     per_request = prof.decode_a * mean_ctx + prof.decode_b
@@ -187,23 +188,43 @@ def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
     return max(math.ceil(room / per_request) - 1, 0)
 
 
+def virtual_batch(ev: EngineView, t_min_ms: float) -> float:
+    """SCORPIO's virtual batch size of ``ev``'s in-flight requests at the step budget
+    ``t_min_ms`` (at most their tightest TPOT SLO): each decodes in ``t_min / its TPOT SLO`` of
+    the steps (its credit rate), so a request with a relaxed TPOT SLO fills a fraction of the
+    batch. Counting every request as one overstated the decode step of an engine serving mixed
+    classes, hence understated prefill's share of the GPU, and the router shed requests it
+    would have served. Unknown SLOs (``open_inv_tpot`` 0): each counts one."""
+    if ev.open_inv_tpot <= 0.0 or not math.isfinite(t_min_ms):
+        return float(ev.inflight)
+    return t_min_ms * ev.open_inv_tpot
+
+
 def decode_step_ms(ev: EngineView) -> float:
     """The decode step of ``ev``'s batch while a new request's prefill runs, at the engine's
     fitted speed (0: nothing decodes): every request the router has in flight there, not only
-    those decoding now. The ones still queued decode by the time a new request's prefill runs
-    (they are mostly ahead of it); counting only today's decoders made the router send a burst
-    to the engine with the fewest of them, which only showed its load a prefill later."""
+    those decoding now, as a virtual batch at their tightest TPOT SLO (:func:`virtual_batch`).
+    The ones still queued decode by the time a new request's prefill runs (they are mostly
+    ahead of it); counting only today's decoders made the router send a burst to the engine
+    with the fewest of them, which only showed its load a prefill later."""
     if ev.decoding <= 0 or ev.inflight <= 0:
         return 0.0
-    step = ev.profile.decode_step_ms(ev.inflight, ev.open_ctx_tokens / ev.inflight)
+    batch = virtual_batch(ev, ev.open_tpot_min_ms)
+    step = ev.profile.decode_step_ms(batch, ev.open_ctx_tokens / ev.inflight)
     return step * ev.decode_scale
+
+
+def step_budget_tpot_ms(ev: EngineView) -> float:
+    """The TPOT SLO the engine's steps are cut to while ``ev``'s in-flight requests decode: the
+    tightest of them (of those decoding now when the router has no in-flight SLOs there)."""
+    return min(ev.open_tpot_min_ms, ev.decode_tpot_min_ms)
 
 
 def prefill_share(ev: EngineView) -> float:
     """The share of ``ev``'s GPU time its prefill gets while its decode batch runs."""
     if ev.decoding <= 0:
         return 1.0
-    return cost_prefill_share(decode_step_ms(ev), STEP_BUDGET * ev.decode_tpot_min_ms)
+    return cost_prefill_share(decode_step_ms(ev), STEP_BUDGET * step_budget_tpot_ms(ev))
 
 
 def estimate(
@@ -256,19 +277,22 @@ def estimate(
     limit = TPOT_HEADROOM * slo.tpot_ms
     alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
     admit = 0.0
-    t_min = min(slo.tpot_ms, ev.decode_tpot_min_ms)
+    t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
     capacity = decode_capacity(ev, mine, t_min)
+    batch = virtual_batch(ev, t_min)
     if alone < limit:
-        # SCORPIO's VBS admission: a request starts only while the decode batch it joins stays
-        # within the tightest TPOT SLO; every request in flight there holds or awaits a place
-        need = ev.inflight + 1 - capacity
-        if need > 0:
-            admit = view.decode_release_ms(ev, now, need)
+        # SCORPIO's VBS admission: a request starts only while the virtual batch it joins
+        # stays within the tightest TPOT SLO; every request in flight there holds or awaits a
+        # place, and each that finishes frees its credit rate (on average batch / inflight)
+        over = batch + t_min / slo.tpot_ms - capacity
+        if over > 0:
+            per = batch / ev.inflight if ev.inflight else 1.0
+            admit = view.decode_release_ms(ev, now, math.ceil(over / per - 1e-9))
     # its decode takes a place in the engine's decode batch for its output tokens, and a
     # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
     # congestion factor of the batch's fill), for the requests that will need a place
     decode_ms = req.max_tokens * (prof.decode_a * mine + prof.decode_b) * ev.decode_scale
-    fill = min(ev.inflight / capacity, CONGESTED) if capacity > 0 else CONGESTED
+    fill = min(batch / capacity, CONGESTED) if capacity > 0 else CONGESTED
     harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
     admit += decode_step_ms(ev)

@@ -741,6 +741,28 @@ def test_decoding_requests_set_the_prefill_share_and_the_next_release() -> None:
     assert ev.decoding == 2
 
 
+def test_in_flight_tpot_slos_make_the_virtual_batch() -> None:
+    """SCORPIO decodes a request with a relaxed TPOT SLO in a share of the steps (tightest /
+    its own): the router's virtual batch counts it so, and forgets it when it ends."""
+    from router.policies.feasibility import virtual_batch
+
+    f = Fleet(n=1)
+    f.route("chat", b"c" * 4_000, 1.0, max_tokens=50, slo=Slo(250.0, 100.0))
+    for i in range(4):
+        f.route(f"file{i}", bytes([i]) * 8_000, 1.0, max_tokens=100, slo=Slo(6_000.0, 200.0))
+    _, ev = _view(f, 1.1)
+    assert ev.inflight == 5 and ev.open_tpot_min_ms == 100.0
+    assert virtual_batch(ev, ev.open_tpot_min_ms) == pytest.approx(1 + 4 * 0.5)
+    f.send("e0", RequestFinished("chat", 50, 100.0, 40.0), 1.5)
+    _, ev = _view(f, 1.6)
+    assert ev.open_tpot_min_ms == 200.0
+    assert virtual_batch(ev, ev.open_tpot_min_ms) == pytest.approx(4.0)
+    for i in range(4):
+        f.send("e0", RequestFinished(f"file{i}", 100, 100.0, 40.0), 1.7)
+    _, ev = _view(f, 1.8)
+    assert ev.open_inv_tpot == 0.0 and ev.open_tpot_min_ms == math.inf
+
+
 def test_an_engine_without_request_events_has_its_prefills_aged_out() -> None:
     """A plain vLLM behind the bridge sends KV events and heartbeats but no request events:
     its routed prefills count as queued only until the work queued there would be done."""

@@ -221,6 +221,19 @@ def test_e2_counts_the_gpu_time_a_decode_batch_takes_from_prefill() -> None:
     assert prefill_share(replace(busy, decode_scale=0.5)) > share
 
 
+def test_relaxed_tpot_decoders_take_less_of_the_gpu_from_prefill() -> None:
+    # the same 20 decoders, but with a 200 ms TPOT SLO beside one 100 ms request: SCORPIO
+    # decodes each in every other step, so the steps are cut to 90 ms around a batch of 11
+    mixed = ev("a", inflight=21, open_ctx=21 * 12_000.0, decoding=21, decode_ctx=21 * 12_000.0,
+               tpot_min=100.0)  # fmt: skip
+    mixed = replace(mixed, open_tpot_min_ms=100.0, open_inv_tpot=1 / 100.0 + 20 / 200.0)
+    step = PROFILE.decode_step_ms(11, 12_000)
+    assert prefill_share(mixed) == pytest.approx(1 - step / 90.0)
+    # counted as 21 full members (the rule before), prefill would get much less
+    uniform = replace(mixed, open_inv_tpot=21 / 100.0)
+    assert prefill_share(uniform) < prefill_share(mixed) - 0.1
+
+
 def test_e2_tie_band_prefers_the_holder_then_the_least_loaded() -> None:
     # a holds 4 KiB of the key but has a little queued: its cost (TTFT + the GPU time of its
     # own prefill) is a few ms above b's
