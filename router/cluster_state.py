@@ -317,6 +317,7 @@ class ClusterState:
                 decode_tpot_min_ms=min(eng.decode_tpots) if eng.decode_tpots else math.inf,
                 open_tpot_min_ms=min(eng.open_tpots) if eng.open_tpots else math.inf,
                 open_inv_tpot=sum(n / t for t, n in eng.open_tpots.items() if t > 0),
+                decode_inv_tpot=sum(n / t for t, n in eng.decode_tpots.items() if t > 0),
                 role=eng.role,
             )
         return v

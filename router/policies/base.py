@@ -62,6 +62,7 @@ class EngineView:
     # batch (virtual_batch); a sum of 0 with requests in flight: unknown, each counts one
     open_tpot_min_ms: float = math.inf
     open_inv_tpot: float = 0.0
+    decode_inv_tpot: float = 0.0  # ... and of those decoding now
     rate_per_s: float = 0.0  # requests routed there per second recently, as of rate_t ...
     prefill_rate: float = 0.0  # ... and ms of prefill (their own, at its speed) per second
     rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
@@ -92,6 +93,7 @@ class EngineView:
         decode_tpot_min_ms: float = math.inf,
         open_tpot_min_ms: float = math.inf,
         open_inv_tpot: float = 0.0,
+        decode_inv_tpot: float = 0.0,
         rate_per_s: float = 0.0,
         prefill_rate: float = 0.0,
         rate_t: float = 0.0,
@@ -120,6 +122,7 @@ class EngineView:
         self.decode_tpot_min_ms = decode_tpot_min_ms
         self.open_tpot_min_ms = open_tpot_min_ms
         self.open_inv_tpot = open_inv_tpot
+        self.decode_inv_tpot = decode_inv_tpot
         self.rate_per_s = rate_per_s
         self.prefill_rate = prefill_rate
         self.rate_t = rate_t

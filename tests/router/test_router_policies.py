@@ -386,6 +386,26 @@ def test_e2_sheds_on_the_soonest_the_first_token_could_come() -> None:
     assert d.engine_id == "b"
 
 
+def test_the_shed_floor_counts_only_what_decodes_now() -> None:
+    """Routing counts every request in flight in the decode batch (most queue ahead of a
+    typical request), but an urgent one overtakes the queued ones: the soonest its first token
+    could come meets only today's decoders, so a saturated engine's admission wait does not
+    get it shed."""
+    slo = Slo(ttft_ms=1000.0, tpot_ms=100.0)
+    a = ev("a", inflight=40, open_ctx=40 * 12_000.0, decoding=4, decode_ctx=4 * 12_000.0,
+           tpot_min=100.0)  # fmt: skip
+    a = replace(a, open_tpot_min_ms=100.0, open_inv_tpot=40 / 100.0, decode_inv_tpot=4 / 100.0)
+    view = FakeView([a], releases={"a": 3000.0})
+    c = ctx(key_len=4_000, slo=slo)
+    est = estimate(a, c, 0, view, 0.0, {})
+    assert est.ttft_ms > 3000.0  # routing: a full virtual batch to wait for
+    step = PROFILE.decode_step_ms(4, 12_000)
+    own = PROFILE.prefill_ms(1_000)
+    assert est.ttft_floor_ms == pytest.approx(own / (1 - step / 90.0) + step)
+    assert est.ttft_floor_ms < slo.ttft_ms
+    assert make_policy("e2").choose(c, view, 0.0).engine_id == "a"
+
+
 def test_e2_skips_engines_too_slow_to_decode_the_request_at_its_tpot() -> None:
     # a 30 ms TPOT on a 10k-token context: ~21 ms a step alone (x1.3 = 27 < 29.7) on the
     # profile; an engine whose decode is fitted 1.5x slower cannot do it, however idle
