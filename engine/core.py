@@ -298,6 +298,10 @@ class EngineCore(SchedBook):
             st.hashes, st.private_blocks
         )
 
+    def refresh_cached(self, st: ReqState) -> None:
+        if st.phase is Phase.WAITING:
+            st.cached_tokens = self._cached_tokens(st.req, self.cache.match(st.hashes))
+
     def admit(self, st: ReqState, now: float) -> bool:
         if self._admitted >= self.profile.max_running:
             return False

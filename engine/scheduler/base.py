@@ -33,6 +33,12 @@ class SchedView(Protocol):
         """Reserve KV for ``st`` and move it waiting -> prefilling; False if it does not fit."""
         ...
 
+    def refresh_cached(self, st: ReqState) -> None:
+        """Re-read a waiting request's cached prefix from the cache as it is now: its estimate
+        dates from its arrival, and the request that prefills a shared prefix may have stored
+        it since (no change where the engine cannot tell)."""
+        ...
+
     def reject(self, st: ReqState, reason: str, now: float) -> None:
         """Refuse a waiting request (it gets a 429 with ``reason``)."""
         ...

@@ -9,7 +9,9 @@ includes every arrival-triggered preemption and every prefill completion.
   ``priority = sign(slack) / deadline``, highest first: feasible requests earliest deadline
   first, infeasible ones after them (latest deadline first, as the formula orders negatives).
   With ``reject_infeasible`` (default) a *waiting* request is rejected once it could no longer
-  make its deadline even at full speed (rejection is final; the decode batch may drain).
+  make its deadline even at full speed (rejection is final; the decode batch may drain), its
+  cached prefix re-read first (one queued behind the request prefilling a shared prefix finds
+  it cached).
 * SLO-aware batching: around the head H (the best admissible waiting request), add waiting
   requests in priority order while the batch's new tokens stay within G (``token_budget``) and
   ``time_left(H) - pred_ttft(total) / share >= min_slack_frac x TTFT_SLO(H)``; no batching when H
@@ -144,6 +146,12 @@ class SloPolicy:
     def _reject_late(self, view: SchedView, now: float) -> None:
         for st in list(view.waiting):
             pred_ms = view.predict(st.prefill_tokens)
+            if st.deadline - now - pred_ms / 1000.0 < 0:
+                # its prefix may have been cached since it arrived (a request queued behind
+                # the one prefilling a shared prefix): judged on its arrival's estimate, a
+                # burst of one new prefix was rejected for a prefill it no longer needed
+                view.refresh_cached(st)
+                pred_ms = view.predict(st.prefill_tokens)
             if st.deadline - now - pred_ms / 1000.0 < 0:
                 waited = (now - st.req.arrival) * 1000.0
                 why = {

@@ -35,7 +35,7 @@ How the policy's decision maps onto a vLLM step (what differs from the simulated
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields, replace
 
 from broker.events import (
@@ -237,6 +237,9 @@ class VllmBook(SchedBook):
         self.reject_mode = reject
         self.max_step_ms = max_step_ms if max_step_ms and max_step_ms > 0 else None
         self.stats = BookStats()
+        # vLLM's prefix-cache hit for a request now (its request id), or None: set by the
+        # scheduler, read before a waiting request is rejected (refresh_cached)
+        self.cache_probe: Callable[[str], int | None] | None = None
         self._states: dict[str, ReqState] = {}
         self._extra: dict[str, _Extra] = {}
         self._events: list[Event] = []
@@ -632,6 +635,14 @@ class VllmBook(SchedBook):
         if cap.running + len(self._unstarted) >= cap.max_running:
             return False
         return self._blocks_for(st) <= cap.free_blocks - self._reserved_blocks
+
+    def refresh_cached(self, st: ReqState) -> None:
+        probe = self.cache_probe
+        if probe is None or st.phase is not Phase.WAITING:
+            return
+        cached = probe(st.request_id)
+        if cached is not None:
+            st.cached_tokens = min(max(cached, 0), st.req.input_tokens - 1)
 
     def admit(self, st: ReqState, now: float) -> bool:
         if not self.admissible(st):

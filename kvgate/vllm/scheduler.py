@@ -88,6 +88,7 @@ class SloScheduler(Scheduler):
             max_step_ms=options.max_step_ms,
             fit_speed=options.fit_speed,
         )
+        self._book.cache_probe = self._cached_now
         self._default_slo = SLO_CLASSES[options.default_slo]
         self._rejects: dict[str, str] = {}
         self._step_t0: float | None = None
@@ -154,6 +155,11 @@ class SloScheduler(Scheduler):
             return int(self.kv_cache_manager.get_computed_blocks(request)[1])
         except Exception:
             return 0
+
+    def _cached_now(self, request_id: str) -> int | None:
+        """vLLM's prefix-cache hit for a request it holds (the book's probe)."""
+        request = self.requests.get(request_id)
+        return None if request is None else self._cached_estimate(request)
 
     def _key_bytes(self, request: Request) -> int:
         tb = self._token_bytes

@@ -77,6 +77,20 @@ def test_infeasible_request_is_rejected_with_a_reason_once_its_slack_is_gone() -
     assert any(isinstance(e, RequestRejected) for e in c.drain_events())
 
 
+def test_a_request_whose_prefix_got_cached_while_it_waited_is_not_rejected() -> None:
+    """B shares A's 320-token prefix and queues behind A, which prefills it: uncached, B would
+    need 336 ms with 130 left when A is done, but by then the prefix is cached and B needs 16
+    (judged on its arrival's estimate, it was rejected)."""
+    prefix = b"p" * 320 * 4
+    c = core(token_budget=100)
+    c.submit(req("A", 320, ttft_ms=400, key=prefix), 0.0)
+    c.submit(req("B", 336, ttft_ms=450, key=prefix + b"b" * 16 * 4), 0.0)
+    outs = run_until(c, 5.0)
+    assert not [o.request_id for o in outs if o.rejected]
+    firsts = first_token_times(outs)
+    assert firsts["A"] < firsts["B"] <= 0.45
+
+
 def test_request_that_cannot_meet_its_ttft_even_alone_is_rejected_at_once() -> None:
     c = core()
     c.submit(req("X", 2000, ttft_ms=1000), 0.0)

@@ -158,6 +158,16 @@ def test_a_late_request_queues_behind_feasible_ones_or_is_refused_with_reject() 
             assert fake.step(2.0).start == ("late",)  # still served, after feasible work
 
 
+def test_a_waiting_request_vllm_now_finds_cached_is_not_refused() -> None:
+    # "late" would need its 500 tokens (200 ms left): vLLM's cache now holds 480 of them
+    b = book(token_budget=1, reject=True)
+    b.cache_probe = lambda rid: 480 if rid == "late" else None
+    fake = FakeVllm(b)
+    fake.add("late", 500, slo=Slo(1_000.0, 1_000.0), now=0.0)
+    order = fake.step(0.8)
+    assert not order.rejected and order.start == ("late",)
+
+
 # ------------------------------------------------------------------ the step's token budget
 
 
