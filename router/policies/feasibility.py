@@ -205,9 +205,36 @@ def virtual_batch(ev: EngineView, t_min_ms: float) -> float:
     batch. Counting every request as one overstated the decode step of an engine serving mixed
     classes, hence understated prefill's share of the GPU, and the router shed requests it
     would have served. Unknown SLOs (``open_inv_tpot`` 0): each counts one."""
-    if ev.open_inv_tpot <= 0.0 or not math.isfinite(t_min_ms):
-        return float(ev.inflight)
-    return t_min_ms * ev.open_inv_tpot
+    return _vbs(ev.open_inv_tpot, ev.inflight, t_min_ms)
+
+
+def _vbs(inv_tpot: float, count: int, t_min_ms: float) -> float:
+    """The virtual batch of ``count`` requests whose TPOT SLOs sum ``inv_tpot`` in 1 / ms, at
+    the step budget ``t_min_ms`` (each one counts one when their SLOs are unknown)."""
+    if inv_tpot <= 0.0 or not math.isfinite(t_min_ms):
+        return float(count)
+    return t_min_ms * inv_tpot
+
+
+def _vbs_wait_ms(
+    ev: EngineView,
+    view: ClusterView,
+    now: float,
+    batch: float,
+    members: int,
+    capacity: int,
+    t_min_ms: float,
+    tpot_ms: float,
+) -> float:
+    """SCORPIO's VBS admission: a request (TPOT SLO ``tpot_ms``) starts only while the virtual
+    batch it joins stays within ``capacity`` at the tightest TPOT SLO ``t_min_ms``; the wait
+    until enough of the ``members`` requests making up ``batch`` finish, each freeing its
+    credit rate (on average ``batch / members``)."""
+    over = batch + t_min_ms / tpot_ms - capacity
+    if over <= 0:
+        return 0.0
+    per = batch / members if members else 1.0
+    return view.decode_release_ms(ev, now, math.ceil(over / per - 1e-9))
 
 
 def decode_step_ms(ev: EngineView) -> float:
@@ -291,13 +318,8 @@ def estimate(
     capacity = decode_capacity(ev, mine, t_min)
     batch = virtual_batch(ev, t_min)
     if alone < limit:
-        # SCORPIO's VBS admission: a request starts only while the virtual batch it joins
-        # stays within the tightest TPOT SLO; every request in flight there holds or awaits a
-        # place, and each that finishes frees its credit rate (on average batch / inflight)
-        over = batch + t_min / slo.tpot_ms - capacity
-        if over > 0:
-            per = batch / ev.inflight if ev.inflight else 1.0
-            admit = view.decode_release_ms(ev, now, math.ceil(over / per - 1e-9))
+        # every request in flight there holds or awaits a place in the virtual batch
+        admit = _vbs_wait_ms(ev, view, now, batch, ev.inflight, capacity, t_min, slo.tpot_ms)
     # its decode takes a place in the engine's decode batch for its output tokens, and a
     # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
     # congestion factor of the batch's fill), for the requests that will need a place
@@ -341,18 +363,15 @@ def _soonest_batch(
         return 1.0, 0.0
     t_now = ev.decode_tpot_min_ms
     n = ev.decoding
-    ctx_now = ev.decode_ctx_tokens / n
-    batch = t_now * ev.decode_inv_tpot if ev.decode_inv_tpot > 0 and t_now < math.inf else n
-    step = ev.profile.decode_step_ms(batch, ctx_now) * ev.decode_scale
+    batch = _vbs(ev.decode_inv_tpot, n, t_now)
+    step = ev.profile.decode_step_ms(batch, ev.decode_ctx_tokens / n) * ev.decode_scale
     share = cost_prefill_share(step, STEP_BUDGET * t_now)
     admit = 0.0
     if fits:
         t_min = min(tpot_ms, t_now)
-        vbs = t_min * ev.decode_inv_tpot if ev.decode_inv_tpot > 0 else float(n)
         capacity = batch_capacity(ev, (ev.decode_ctx_tokens + mine) / (n + 1), t_min)
-        over = vbs + t_min / tpot_ms - capacity
-        if over > 0:
-            admit = view.decode_release_ms(ev, now, math.ceil(over / (vbs / n) - 1e-9))
+        vbs = _vbs(ev.decode_inv_tpot, n, t_min)
+        admit = _vbs_wait_ms(ev, view, now, vbs, n, capacity, t_min, tpot_ms)
     return share, admit + step
 
 
