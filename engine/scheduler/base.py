@@ -39,6 +39,12 @@ class SchedView(Protocol):
         it since (no change where the engine cannot tell)."""
         ...
 
+    def pending_prefix(self, st: ReqState) -> int:
+        """Key blocks of a waiting request, past what the cache holds of it now, that an
+        admitted request is prefilling (they are cached once it is done; 0 where the engine
+        cannot tell)."""
+        ...
+
     def reject(self, st: ReqState, reason: str, now: float) -> None:
         """Refuse a waiting request (it gets a 429 with ``reason``)."""
         ...

@@ -21,6 +21,13 @@ includes every arrival-triggered preemption and every prefill completion.
   resumes from there when it is again the best unit.
 * Chunked prefill: prompts longer than ``chunk_tokens`` prefill one chunk at a time, each chunk
   its own unit (a chunk after the first sees the earlier ones as context).
+* A shared prefix is prefilled once: a waiting request whose next key blocks an admitted request
+  is prefilling (``SchedView.pending_prefix``) is neither started, nor batched with it, nor let
+  preempt it while it can still make its deadline; it starts once they are stored and finds
+  them cached (SGLang deprioritizes such requests within a batch the same way). Without it a
+  burst of one new prefix prefilled it several times over, in one batch or by preemption
+  (``programming``, 16 engines at the knee: 750 blocks computed twice under ``cache_aware``,
+  1,000 under round robin).
 * TTFT predictor: the cubic fit of :class:`engine.costs.TtftPredictor`.
 
 Decode (SCORPIO, arXiv 2505.23022):
@@ -102,6 +109,8 @@ class SloPolicy:
     def preempts(self, view: SchedView, st: ReqState, running: PrefillUnit, now: float) -> bool:
         if not running.preemptible or not self._startable(view, st):
             return False
+        if view.pending_prefix(st) and self._key(view, st, now, self._stretch(view))[0] == 0:
+            return False  # what it would interrupt is prefilling its prefix
         stretch = self._stretch(view)
         return self._key(view, st, now, stretch) < self._unit_key(view, running, now, stretch)
 
@@ -217,6 +226,8 @@ class SloPolicy:
         for i, head in enumerate(ranked):
             if keys[id(head)] >= best_unit_key:
                 break  # the best paused or running unit outranks every waiting request left
+            if keys[id(head)][0] == 0 and view.pending_prefix(head):
+                continue  # its prefix is being prefilled: it will find it cached
             if not self._startable(view, head):
                 continue
             return self._batch(view, head, ranked[i + 1 :], now, stretch)
@@ -241,6 +252,8 @@ class SloPolicy:
                 n = total + st.prefill_tokens
                 if n > cfg.token_budget or time_left_ms - view.predict(n) * stretch < reserve_ms:
                     continue
+                if view.pending_prefix(st):
+                    continue  # (the batch, or a request before it, prefills its prefix)
                 if not self._startable(view, st) or not view.admit(st, now):
                     continue
                 pieces.append((st, st.prefill_tokens))

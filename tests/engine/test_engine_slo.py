@@ -91,6 +91,28 @@ def test_a_request_whose_prefix_got_cached_while_it_waited_is_not_rejected() -> 
     assert firsts["A"] < firsts["B"] <= 0.45
 
 
+def test_a_shared_prefix_being_prefilled_is_waited_for_not_computed_twice() -> None:
+    """A and B share a 1,000-token prefix nobody has cached. Batched together (as S-EDF's
+    batching would, 2,016 tokens within the budget) both prefill it, 2 s for the two; B waiting
+    for A instead finds it cached and needs 16 ms. Nor does a request due sooner, C, interrupt
+    A to prefill the same prefix itself while it can wait for it."""
+    prefix = b"p" * 1000 * 4
+    c = core()
+    c.submit(req("A", 1000, ttft_ms=5000, key=prefix), 0.0)
+    c.submit(req("B", 1016, ttft_ms=5000, key=prefix + b"b" * 16 * 4), 0.0)
+    firsts = first_token_times(run_until(c, 10.0))
+    assert firsts["A"] == pytest.approx(1.0)
+    assert firsts["B"] < 1.1  # (batched: both at 2.016)
+    assert c.cache.hits_bytes >= 1000 * 4 - c.cache.block_bytes
+    c = core()
+    c.submit(req("A", 1000, ttft_ms=5000, key=prefix), 0.0)
+    c.advance(0.0)
+    c.submit(req("C", 1016, ttft_ms=2000, key=prefix + b"c" * 16 * 4), 0.1)
+    firsts = first_token_times(run_until(c, 10.0))
+    assert firsts["A"] == pytest.approx(1.0)  # (interrupted: 2.016)
+    assert firsts["C"] < 1.1
+
+
 def test_request_that_cannot_meet_its_ttft_even_alone_is_rejected_at_once() -> None:
     c = core()
     c.submit(req("X", 2000, ttft_ms=1000), 0.0)
