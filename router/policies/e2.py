@@ -22,7 +22,9 @@ engine *when would this request's first token come out there, and what does it c
   admission and the decode iteration that precedes a prefill slice; all on the engine's
   profile corrected by its fitted speed (:class:`kvgate.cost_model.SpeedFit`). A prefix the
   router only routed there (no block event yet) counts as cached only if the request queues
-  behind every open one: one due earlier overtakes them and prefills the prefix itself.
+  behind every open one: one due earlier overtakes them and prefills the prefix itself (its
+  TTFT pays for it; its work does not, as the request it overtakes then finds the prefix
+  cached: the engine prefills a shared prefix once).
   ``M_i`` is Preble's eviction cost (hit count x miss rate x prefill time of each prefix the
   engine's LRU would evict).
 
@@ -145,7 +147,7 @@ class _Scored:
         self.est = est
         self.matched = matched
         self.eviction = 0.0
-        work = est.own_ms * (1 + est.behind + est.arrivals) + est.decode_harm
+        work = est.own_work_ms * (1 + est.behind + est.arrivals) + est.decode_harm
         self.cost = est.ttft_ms + work_weight * work
 
 

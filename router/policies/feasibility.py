@@ -16,7 +16,8 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
   decode step of ``D`` ms in every step and cuts each step to ``0.9 x T_min`` (the tightest
   decoding TPOT SLO; ``engine.scheduler.slo``), so prefill runs at ``1 - D / (0.9 T_min)`` of
   full speed (:func:`kvgate.cost_model.prefill_share`, which the engine's S-EDF uses too),
-  ``D`` being the decode step of the router's decoding requests there. A busy decoder
+  ``D`` being the decode step of the router's requests there (at most the batch SCORPIO's
+  admission lets start; the rest wait for a place). A busy decoder
   prefills slowly: an engine with a short queue but a large decode batch is not a fast choice;
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
@@ -116,6 +117,7 @@ class Estimate:
         "credited",
         "decode_harm",
         "own_ms",
+        "own_work_ms",
         "queue_ms",
         "share",
         "tpot_ok",
@@ -139,12 +141,16 @@ class Estimate:
         queue_runs_ms: float | None = None,
         floor_share: float | None = None,
         floor_admit_ms: float | None = None,
+        own_work_ms: float | None = None,
     ) -> None:
         self.decode_harm = decode_harm  # ms its decode will add to later requests' prefill
         self.credited = credited  # key bytes counted as cached there
         self.behind = behind  # queued requests due later, which its prefill would delay
         self.queue_ms = queue_ms
         self.own_ms = own_ms
+        # the prefill it adds to the engine's work: less than ``own_ms`` when it prefills a
+        # routed prefix that an open request it overtakes would otherwise prefill
+        self.own_work_ms = own_ms if own_work_ms is None else own_work_ms
         self.share = share
         self.admit_ms = admit_ms
         self.tpot_ok = tpot_ok
@@ -243,11 +249,24 @@ def decode_step_ms(ev: EngineView) -> float:
     those decoding now, as a virtual batch at their tightest TPOT SLO (:func:`virtual_batch`).
     The ones still queued decode by the time a new request's prefill runs (they are mostly
     ahead of it); counting only today's decoders made the router send a burst to the engine
-    with the fewest of them, which only showed its load a prefill later."""
+    with the fewest of them, which only showed its load a prefill later. At most the batch
+    SCORPIO's VBS admission lets start (:func:`batch_capacity`): the rest wait for a place
+    (the admission wait, :func:`_vbs_wait_ms`) and do not slow the steps. Uncapped, an engine
+    with a long queue of long-context requests looked to leave prefill the 5% floor of the
+    GPU, a 20x wait on top of the admission wait, and e2 recomputed the prefixes it held
+    elsewhere (held-out Mooncake synthetic trace, 8 engines: docs/router.md)."""
     if ev.decoding <= 0 or ev.inflight <= 0:
         return 0.0
-    batch = virtual_batch(ev, ev.open_tpot_min_ms)
-    step = ev.profile.decode_step_ms(batch, ev.open_ctx_tokens / ev.inflight)
+    t_min = ev.open_tpot_min_ms
+    mean_ctx = ev.open_ctx_tokens / ev.inflight
+    batch = virtual_batch(ev, t_min)
+    budget = step_budget_tpot_ms(ev)
+    if math.isfinite(budget):
+        # SCORPIO's VBS admission starts no request past the batch it can decode in time:
+        # the rest wait (the admission wait), they do not slow the steps
+        now = _vbs(ev.decode_inv_tpot, ev.decoding, t_min)
+        batch = min(batch, max(batch_capacity(ev, mean_ctx, budget), now))
+    step = ev.profile.decode_step_ms(batch, mean_ctx)
     return step * ev.decode_scale
 
 
@@ -282,9 +301,13 @@ def estimate(
     slo = req.slo
     share = prefill_share(ev)
     queue, behind, runs = view.prefill_queue(ev, deadline_s(ctx, now), share)
+    routed = matched
     if behind and confirmed is not None and confirmed < matched:
         matched = confirmed
     own = prefill_cost_ms(ev, ctx.key_len, matched, cache)
+    # prefilling the routed prefix itself, it spares the open request it overtakes there that
+    # prefill (the engine prefills a shared prefix once): the work it adds is what that leaves
+    own_work = prefill_cost_ms(ev, ctx.key_len, routed, cache) if routed > matched else own
     # a request arriving t ms from now overtakes it only if due sooner, with an SLO shorter
     # than its own minus t: over the wait (unstretched), the SLO half the wait shorter
     sooner = view.share_due_sooner(slo.ttft_ms - (queue + own) / share / 2.0)
@@ -347,6 +370,7 @@ def estimate(
         runs,
         floor_share,
         floor_admit,
+        own_work,
     )
 
 

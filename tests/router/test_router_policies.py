@@ -20,6 +20,7 @@ from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.policies.base import EngineView, GroupLoad, RequestContext, top_matched
 from router.policies.feasibility import (
+    batch_capacity,
     estimate,
     next_decode_step_ms,
     prefill_share,
@@ -232,6 +233,54 @@ def test_relaxed_tpot_decoders_take_less_of_the_gpu_from_prefill() -> None:
     # counted as 21 full members (the rule before), prefill would get much less
     uniform = replace(mixed, open_inv_tpot=21 / 100.0)
     assert prefill_share(uniform) < prefill_share(mixed) - 0.1
+
+
+def test_requests_past_the_vbs_capacity_wait_without_slowing_prefill() -> None:
+    # 200 requests in flight at 12K tokens of context, 10 decoding: SCORPIO's admission starts
+    # no more than the batch it decodes within 100 ms x 0.99 / 1.3, so the steps never carry
+    # more, and prefill keeps what that batch leaves (the rest wait for admission)
+    crowded = ev("a", inflight=200, open_ctx=200 * 12_000.0, decoding=10,
+                 decode_ctx=10 * 12_000.0, tpot_min=100.0)  # fmt: skip
+    crowded = replace(crowded, open_tpot_min_ms=100.0, open_inv_tpot=200 / 100.0)
+    cap = batch_capacity(crowded, 12_000.0, 100.0)
+    assert 10 < cap < 200
+    full = 1 - PROFILE.decode_step_ms(cap, 12_000) / 90.0
+    assert prefill_share(crowded) == pytest.approx(full)
+    assert prefill_share(crowded) > 0.15  # (uncapped, 200 decoders: the 0.05 floor)
+    # below the capacity, every request in flight counts
+    fewer = replace(crowded, inflight=cap - 1, open_ctx_tokens=(cap - 1) * 12_000.0,
+                    open_inv_tpot=(cap - 1) / 100.0)  # fmt: skip
+    assert prefill_share(fewer) == pytest.approx(1 - PROFILE.decode_step_ms(cap - 1, 12_000) / 90.0)
+
+
+@dataclass
+class _RoutedOnly(FakeView):
+    """Engines hold ``matched`` only as the router's speculative entries (no block event yet),
+    and each has one open request due later than the request asked about."""
+
+    @property
+    def confirmed(self) -> dict[str, int]:
+        return {}
+
+    def prefill_queue(
+        self, ev: EngineView, deadline: float, share: float = 1.0
+    ) -> tuple[float, int, float]:
+        ahead = self.prefill_ahead_ms(ev, deadline)
+        return ahead, 1, ahead
+
+
+def test_a_request_overtaking_the_prefix_it_was_routed_after_prefills_it_once() -> None:
+    # "a" was sent 8 KB of this key a moment ago; this request is due before that one, so it
+    # prefills the prefix itself (its TTFT counts all of it), but the one it overtakes then
+    # finds it cached: the work it adds to "a" is only what the prefix leaves
+    view = _RoutedOnly([ev("a"), ev("b")], matched={"a": 8_000})
+    est = estimate(view.engines[0], ctx(), 8_000, view, 0.0, {}, view.confirmed.get("a", 0))
+    assert est.own_ms == pytest.approx(p_ms(0))
+    assert est.own_work_ms == pytest.approx(p_ms(8_000))
+    assert est.credited == 0
+    # where nothing was routed, its work is its whole prefill
+    other = estimate(view.engines[1], ctx(), 0, view, 0.0, {}, 0)
+    assert other.own_work_ms == other.own_ms == pytest.approx(p_ms(0))
 
 
 def test_e2_tie_band_prefers_the_holder_then_the_least_loaded() -> None:
