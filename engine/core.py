@@ -310,6 +310,8 @@ class EngineCore(SchedBook):
         st.computing = []
 
     def pending_prefix(self, st: ReqState) -> int:
+        """(``SchedView.pending_prefix``) the blocks past the cached ones that are being
+        computed, in key order."""
         hashes = st.hashes
         i = self.cache.match(hashes)
         n = 0

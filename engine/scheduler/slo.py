@@ -109,10 +109,11 @@ class SloPolicy:
     def preempts(self, view: SchedView, st: ReqState, running: PrefillUnit, now: float) -> bool:
         if not running.preemptible or not self._startable(view, st):
             return False
-        if view.pending_prefix(st) and self._key(view, st, now, self._stretch(view))[0] == 0:
-            return False  # what it would interrupt is prefilling its prefix
         stretch = self._stretch(view)
-        return self._key(view, st, now, stretch) < self._unit_key(view, running, now, stretch)
+        key = self._key(view, st, now, stretch)
+        if key[0] == 0 and view.pending_prefix(st):
+            return False  # what it would interrupt is prefilling its prefix
+        return key < self._unit_key(view, running, now, stretch)
 
     # ------------------------------------------------------------------ priorities
 

@@ -264,8 +264,8 @@ def decode_step_ms(ev: EngineView) -> float:
     if math.isfinite(budget):
         # SCORPIO's VBS admission starts no request past the batch it can decode in time:
         # the rest wait (the admission wait), they do not slow the steps
-        now = _vbs(ev.decode_inv_tpot, ev.decoding, t_min)
-        batch = min(batch, max(batch_capacity(ev, mean_ctx, budget), now))
+        decoding_now = _vbs(ev.decode_inv_tpot, ev.decoding, t_min)
+        batch = min(batch, max(batch_capacity(ev, mean_ctx, budget), decoding_now))
     step = ev.profile.decode_step_ms(batch, mean_ctx)
     return step * ev.decode_scale
 
