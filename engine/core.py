@@ -133,7 +133,6 @@ class EngineCore(SchedBook):
         self._seq = 0
         self.finished = 0
         self.rejected = 0
-        self.computing: dict[int, int] = {}  # block hash -> admitted requests prefilling it
         self.busy_s = 0.0  # time spent in steps (completed ones): the GPU's busy time
         # what routers fit this engine's real speed from (broker.events FirstToken): per request
         # in prefill, [execution ms, batch tokens] of its finished prefill units
@@ -299,25 +298,8 @@ class EngineCore(SchedBook):
             st.hashes, st.private_blocks
         )
 
-    def _done_computing(self, st: ReqState) -> None:
-        """``st``'s blocks are stored (or it is gone): no longer being computed."""
-        for h in st.computing:
-            n = self.computing.get(h, 0) - 1
-            if n > 0:
-                self.computing[h] = n
-            else:
-                self.computing.pop(h, None)
-        st.computing = []
-
     def pending_prefix(self, st: ReqState) -> int:
-        """(``SchedView.pending_prefix``) the blocks past the cached ones that are being
-        computed, in key order."""
-        hashes = st.hashes
-        i = self.cache.match(hashes)
-        n = 0
-        while i + n < len(hashes) and hashes[i + n] in self.computing:
-            n += 1
-        return n
+        return self.cache.computing(st.hashes)
 
     def refresh_cached(self, st: ReqState) -> None:
         if st.phase is Phase.WAITING:
@@ -331,9 +313,6 @@ class EngineCore(SchedBook):
         if matched is None:
             return False
         st.cached_tokens = self._cached_tokens(st.req, matched)
-        st.computing = st.hashes[matched:]
-        for h in st.computing:
-            self.computing[h] = self.computing.get(h, 0) + 1
         self._enter_prefill(st)
         self._events.append(RequestStarted(st.request_id))
         return True
@@ -429,7 +408,6 @@ class EngineCore(SchedBook):
             if st.remaining_prefill > 0:
                 continue  # chunked: more chunks to come
             self.prefilling.remove(st)
-            self._done_computing(st)
             self.cache.commit(st.request_id, st.req.key, t)
             self._events.extend(self.cache.drain_events())
             st.generated = 1
@@ -489,6 +467,5 @@ class EngineCore(SchedBook):
         """Give back an admitted request's KV and its share of the VBS statistics."""
         if not self.cache.holds(st.request_id):
             return
-        self._done_computing(st)
         self.cache.release(st.request_id, now)
         self._leave_ledger(st)

@@ -62,6 +62,8 @@ class PrefixCache:
     _heap: list[tuple[float, int, int]] = field(default_factory=list)
     _heap_seq: int = 0
     _events: list[Event] = field(default_factory=list)
+    # block hash -> reservations that will store it (reserved, their prefill not committed)
+    _computing: dict[int, int] = field(default_factory=dict)
     hits_bytes: int = 0
     lookups_bytes: int = 0
 
@@ -78,6 +80,15 @@ class PrefixCache:
         for h in hashes:
             if h not in nodes:
                 break
+            n += 1
+        return n
+
+    def computing(self, hashes: list[int]) -> int:
+        """How many blocks of ``hashes`` past its cached prefix a reservation is computing now
+        (they are stored when its prefill commits)."""
+        i = self.match(hashes)
+        n = 0
+        while i + n < len(hashes) and hashes[i + n] in self._computing:
             n += 1
         return n
 
@@ -125,6 +136,7 @@ class PrefixCache:
         self._evict_until(need)
         self._reserved += need
         self._allocs[request_id] = _Alloc(hashes, matched, need, private_blocks, matched)
+        self._track(hashes[matched:], 1)
         self.lookups_bytes += len(hashes) * self.block_bytes
         self.hits_bytes += matched * self.block_bytes
         return matched
@@ -133,6 +145,7 @@ class PrefixCache:
         """Store the request's key blocks (its prefill computed them); emits BlockStored."""
         alloc = self._alloc(request_id)
         hashes = alloc.hashes
+        self._track(hashes[alloc.pinned :], -1)
         parent = hashes[alloc.pinned - 1] if alloc.pinned else None
         new_hashes: list[int] = []
         new_blocks: list[bytes] = []
@@ -169,6 +182,7 @@ class PrefixCache:
         alloc = self._allocs.pop(request_id, None)
         if alloc is None:
             return
+        self._track(alloc.hashes[alloc.pinned :], -1)  # (none once committed)
         self._reserved -= alloc.reserved
         for h in reversed(alloc.hashes[: alloc.pinned]):
             node = self._nodes[h]
@@ -191,6 +205,15 @@ class PrefixCache:
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _track(self, hashes: list[int], delta: int) -> None:
+        computing = self._computing
+        for h in hashes:
+            n = computing.get(h, 0) + delta
+            if n > 0:
+                computing[h] = n
+            else:
+                computing.pop(h, None)
 
     def _alloc(self, request_id: str) -> _Alloc:
         try:

@@ -82,7 +82,6 @@ class ReqState:
     last_token_at: float | None = None
     credit: float = 0.0  # SCORPIO's decode credit
     blocked_by: str = ""  # why it last waited although it was the best candidate (vbs, kv)
-    computing: list[int] = field(default_factory=list)  # key blocks its prefill will store
 
     @property
     def request_id(self) -> str:

@@ -276,11 +276,13 @@ def step_budget_tpot_ms(ev: EngineView) -> float:
     return min(ev.open_tpot_min_ms, ev.decode_tpot_min_ms)
 
 
-def prefill_share(ev: EngineView) -> float:
-    """The share of ``ev``'s GPU time its prefill gets while its decode batch runs."""
+def prefill_share(ev: EngineView, step_ms: float | None = None) -> float:
+    """The share of ``ev``'s GPU time its prefill gets while its decode batch runs (its decode
+    step ``step_ms``, :func:`decode_step_ms` when not given)."""
     if ev.decoding <= 0:
         return 1.0
-    return cost_prefill_share(decode_step_ms(ev), STEP_BUDGET * step_budget_tpot_ms(ev))
+    step = decode_step_ms(ev) if step_ms is None else step_ms
+    return cost_prefill_share(step, STEP_BUDGET * step_budget_tpot_ms(ev))
 
 
 def estimate(
@@ -299,7 +301,8 @@ def estimate(
     request due earlier overtakes them (S-EDF) and prefills the prefix itself."""
     req = ctx.request
     slo = req.slo
-    share = prefill_share(ev)
+    step = decode_step_ms(ev)
+    share = prefill_share(ev, step)
     queue, behind, runs = view.prefill_queue(ev, deadline_s(ctx, now), share)
     routed = matched
     if behind and confirmed is not None and confirmed < matched:
@@ -323,7 +326,7 @@ def estimate(
             queue,
             own,
             share,
-            decode_step_ms(ev) + moved,
+            step + moved,
             True,
             behind,
             ev.rate_per_s * decay,
@@ -350,7 +353,7 @@ def estimate(
     fill = min(batch / capacity, CONGESTED) if capacity > 0 else CONGESTED
     harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
-    admit += decode_step_ms(ev)
+    admit += step
     floor_share, floor_admit = _soonest_batch(ev, view, now, slo.tpot_ms, mine, alone < limit)
     # prefill's utilization there: the prefill routed there per second of the GPU time prefill
     # gets
