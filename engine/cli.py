@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-infeasible",
         action="store_true",
-        help="slo policy: queue requests whose TTFT can no longer be met instead of rejecting",
+        help="slo policy: keep requests whose TTFT can no longer be met (waiting ones queue "
+        "last, paused prefills resume when nothing feasible waits) instead of rejecting them",
     )
     parser.add_argument("--reject-status", type=int, choices=(429, 503), default=429)
     parser.add_argument("--heartbeat-s", type=float, default=0.2)

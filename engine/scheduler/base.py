@@ -46,7 +46,8 @@ class SchedView(Protocol):
         ...
 
     def reject(self, st: ReqState, reason: str, now: float) -> None:
-        """Refuse a waiting request (it gets a 429 with ``reason``)."""
+        """Refuse a waiting request, or a paused one that has no token out yet (it gets a 429
+        with ``reason``; a paused one gives back its KV and its place in the VBS ledger)."""
         ...
 
     def make_unit(self, pieces: list[tuple[ReqState, int]], *, preemptible: bool) -> PrefillUnit:

@@ -38,6 +38,7 @@ TRANSITIONS: frozenset[tuple[Phase, Phase]] = frozenset(
         (Phase.PREFILLING, Phase.DECODING),
         (Phase.PREFILLING, Phase.FINISHED),  # one-token output, or cancelled
         (Phase.PREEMPTED, Phase.FINISHED),  # cancelled
+        (Phase.PREEMPTED, Phase.REJECTED),  # paused past its deadline (slo: abandon_late)
         (Phase.DECODING, Phase.FINISHED),
     }
 )
@@ -174,6 +175,9 @@ class SchedulerConfig:
     layers: int = 32  # operators per prefill = 2 x layers (attention, MLP)
     chunk_tokens: int = 8192  # slo: prompts longer than this prefill in chunks (FlowPrefill 8K)
     reject_infeasible: bool = True  # slo: reject waiting requests whose TTFT can't be met
+    # slo, with reject_infeasible: also reject paused (preempted) prefills whose TTFT can't be
+    # met (in vLLM: aborted, their blocks freed)
+    abandon_late: bool = True
     tpot_guard: float = 0.9  # slo: a step lasts at most this x the tightest decoding TPOT
     vbs_safety: float = 1.3  # SCORPIO: EstTPOT(VBS', L') x 1.3 < 0.99 x T_min'
     vbs_margin: float = 0.99

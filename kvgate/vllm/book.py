@@ -660,8 +660,10 @@ class VllmBook(SchedBook):
         return True
 
     def reject(self, st: ReqState, reason: str, now: float) -> None:
+        # out of its queue (waiting, or prefilling when paused) and the ledger; vLLM aborts it,
+        # which frees the blocks of a paused one
+        self._drop(st)
         st.move(Phase.REJECTED)
-        self.waiting.remove(st)
         del self._states[st.request_id]
         ex = self._extra.pop(st.request_id)
         self._rejected.append((st.request_id, reason))

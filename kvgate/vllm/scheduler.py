@@ -227,7 +227,11 @@ class SloScheduler(Scheduler):
                 picked.append(r)
         chosen = set(picked)
         # requests the book does not manage (pooling, a failed arrival) run by vLLM's rules
-        loose_running = [r for r in self.running if r not in chosen and r.request_id not in book]
+        loose_running = [
+            r
+            for r in self.running
+            if r not in chosen and r.request_id not in book and r.request_id not in self._rejects
+        ]
         hidden = {r for r in self.running if r not in chosen and r.request_id in book}
         waiting = set(self.waiting)
         starts = [reqs[rid] for rid in (*order.resume, *order.start) if reqs.get(rid) in waiting]

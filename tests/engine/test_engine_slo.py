@@ -77,6 +77,29 @@ def test_infeasible_request_is_rejected_with_a_reason_once_its_slack_is_gone() -
     assert any(isinstance(e, RequestRejected) for e in c.drain_events())
 
 
+def test_a_paused_prefill_past_its_deadline_is_rejected_and_frees_its_place() -> None:
+    # A (1000 ms of prefill, due at 1.2 s) starts; B (600 ms, due at 0.8 s) preempts it at
+    # 0.109 s and is done at 0.709 s, when A still needs ~890 ms: it can no longer make 1.2 s.
+    for abandon in (True, False):
+        c = core(token_budget=100, abandon_late=abandon)
+        c.submit(req("A", 1000, ttft_ms=1200), 0.0)
+        c.advance(0.0)
+        c.submit(req("B", 600, ttft_ms=700, at=0.1), 0.1)
+        outs = run_until(c, 0.72)
+        assert first_token_times(outs)["B"] == pytest.approx(0.109375 + 0.6)
+        rejected = {o.request_id: o.rejected for o in outs if o.rejected}
+        if abandon:
+            # rejected at once (a 429 before any token), its KV and its admission given back
+            assert set(rejected) == {"A"} and "paused" in rejected["A"]
+            assert c.phase_of("A") is None and c.running == 0
+            assert not c.cache.holds("A") and c.cache.used_blocks == c.cache.cached_blocks
+            assert any(isinstance(e, RequestRejected) for e in c.drain_events())
+        else:
+            assert rejected == {} and c.phase_of("A") is Phase.PREFILLING
+            ft = first_token_times(run_until(c, 5.0))
+            assert ft["A"] > 1.2  # served, late: a miss that held the GPU and its KV
+
+
 def test_a_request_whose_prefix_got_cached_while_it_waited_is_not_rejected() -> None:
     """B shares A's 320-token prefix and queues behind A, which prefills it: uncached, B would
     need 336 ms with 130 left when A is done, but by then the prefix is cached and B needs 16

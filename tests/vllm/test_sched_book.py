@@ -158,6 +158,29 @@ def test_a_late_request_queues_behind_feasible_ones_or_is_refused_with_reject() 
             assert fake.step(2.0).start == ("late",)  # still served, after feasible work
 
 
+def test_a_paused_prefill_past_its_deadline_is_refused_and_its_blocks_freed() -> None:
+    """``long`` (6000 tokens, due at 6.5 s) is paused at 2 s by ``urgent``; at 3 s it still
+    needs ~4 s: with reject vLLM aborts it (its blocks come back), without it resumes."""
+    for reject in (True, False):
+        b = book(reject=reject)
+        fake = FakeVllm(b, max_tokens=1000)
+        fake.add("long", 6000, slo=Slo(6_500.0, 1_000.0), now=0.0)
+        fake.step(0.0)
+        fake.step(1.0)
+        fake.add("urgent", 300, slo=URGENT, now=1.5)
+        assert fake.step(2.0).start == ("urgent",)
+        assert b.phase_of("long") is Phase.PREEMPTED
+        free_before = fake.free
+        order = fake.step(3.0)
+        if reject:
+            assert [rid for rid, _ in order.rejected] == ["long"]
+            assert "paused" in order.rejected[0][1]
+            assert "long" not in b and fake.free > free_before
+            assert b.admitted_tpot_stats()[3] == 1  # only urgent holds a place in the ledger
+        else:
+            assert not order.rejected and b.phase_of("long") is Phase.PREFILLING
+
+
 def test_a_waiting_request_vllm_now_finds_cached_is_not_refused() -> None:
     # "late" would need its 500 tokens (200 ms left): vLLM's cache now holds 480 of them
     b = book(token_budget=1, reject=True)
