@@ -185,18 +185,20 @@ class SloPolicy:
         even at full speed: S-EDF ranks late work last, so every feasible arrival overtook it
         and it finished seconds late, holding its KV the while (azure, 16 engines at 1.5x the
         knee: 107 of e2's 113 requests served late had been paused)."""
-        paused = {id(st.unit): st.unit for st in view.prefilling if st.phase is Phase.PREEMPTED}
+        paused = {
+            id(st.unit): st.unit
+            for st in view.prefilling
+            if st.phase is Phase.PREEMPTED and st.unit is not None
+        }
         for unit in paused.values():
-            if unit is None:
-                continue
             left_ms = max(unit.pred_ms - unit.executed_ms, 0.0)
-            members = unit.live()
+            members = [(st, n) for st, n, _ in unit.pieces if st.unit is unit]
+            # each member's prefill left: the rest of this unit, then its chunks after it
             if all(
                 st.deadline - now - (left_ms + view.predict(st.remaining_prefill - n)) / 1000.0 < 0
-                for st, n, _ in unit.pieces
-                if st.unit is unit
+                for st, n in members
             ):
-                for st in members:
+                for st, _ in members:
                     view.reject(
                         st,
                         f"TTFT SLO of {st.req.slo.ttft_ms:g} ms can no longer be met: its "
