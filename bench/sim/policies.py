@@ -20,6 +20,7 @@ ALIASES: dict[str, str] = {
     "e2-no-band": "e2[tie_rel=0,tie_ms=0]",
     "e2-by-load": "e2[spread_by_traffic=false]",
     "e2-no-work": "e2[work_weight=0]",
+    "e2-idle-free": "e2[idle_free=true]",
     "e2-feasible-first": "e2[prefer_feasible=true]",
     "e2-pd": "e2[pd_balance=true]",
     "e2-rebalance": "e2[rebalance=true]",

@@ -29,17 +29,22 @@ engine *when would this request's first token come out there, and what does it c
   engine's LRU would evict).
 
   The rest is the work the request takes from others (weight ``w``, ``work_weight``): its own
-  prefill is GPU time that delays the requests queued behind it (``behind_i``: due later) and
-  those arriving before its queue drains (``arrivals_i``: the engine's recent request rate x
-  ``TTFT_i``, over ``1 - utilization`` of its prefill: a busy period stretches as the engine
-  fills); its decode occupies a place in the engine's decode batch and a share of every step,
-  priced as its decode GPU time x ``fill / (1 - fill)``, ``fill`` the batch's share of what
-  SCORPIO's admission lets in for the tightest TPOT SLO (``decode_i``). At light load the work
-  is about ``P_i`` (a cached prefix saves its prefill once); when queues are long it dominates,
-  so a loaded fleet keeps prefixes where they are cached instead of recomputing them to save a
-  little queueing (without it, ``work_weight=0``, overloaded cells lost 10 to 40 points of
-  attainment to ``cache_aware``), and decode batches fill evenly (counting only today's
-  decoders, bursts went to the engine with the fewest and only showed there a prefill later).
+  prefill is GPU time (the 1) that delays the requests queued behind it (``behind_i``:
+  due later) and those arriving before its queue drains (``arrivals_i``: the engine's recent
+  request rate x ``TTFT_i``, over ``1 - utilization`` of its prefill: a busy period stretches as
+  the engine fills); its decode occupies a place in the engine's decode batch and a share of
+  every step, priced as its decode GPU time x ``fill / (1 - fill)``, ``fill`` the batch's share
+  of what SCORPIO's admission lets in for the tightest TPOT SLO (``decode_i``). At light load
+  the work is about ``P_i`` (a cached prefix saves its prefill once); when queues are long it
+  dominates, so a loaded fleet keeps prefixes where they are cached instead of recomputing them
+  to save a little queueing (without it, ``work_weight=0``, overloaded cells lost 10 to 40
+  points of attainment to ``cache_aware``), and decode batches fill evenly (counting only
+  today's decoders, bursts went to the engine with the fewest and only showed there a prefill
+  later). With ``idle_free`` (off) the 1 is 0 on an engine with nothing in flight, nothing
+  queued and room for the request: its GPU would otherwise idle. That lets a flash crowd's first
+  requests of a new prefix start on idle engines instead of queueing on the one prefilling it
+  (programming, 16 and 64 engines: from 3 to 4 points behind round robin to within a point),
+  but on real vLLM with small caches it spread documents over idle engines and lost hit rate.
 * Exploit and explore are the two outcomes of one rule: the cheapest engine is usually the one
   holding the longest match (``exploit``), until its queue costs more than prefilling the
   prefix elsewhere (``explore``: a hot prefix gets a second copy exactly when that is cheaper).
@@ -68,8 +73,8 @@ engine *when would this request's first token come out there, and what does it c
   replicate a hot prefix whose TTFT doubled. With the cost above, the queue moves work itself.
 
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
-``work_weight=0``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``, ``prefer_feasible``,
-``pd_balance``, ``rebalance``.
+``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
+``prefer_feasible``, ``pd_balance``, ``rebalance``.
 """
 
 from __future__ import annotations
@@ -115,6 +120,10 @@ class E2Config:
     # (off: the least outstanding work first)
     spread_by_traffic: bool = True
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
+    # an idle engine's GPU time (nothing in flight or queued there, room for the request without
+    # evicting) is nobody's: a prefill there is charged only for the requests it delays (off:
+    # it wins programming's flash crowds but cost hit rate on real vLLM; docs/router.md)
+    idle_free: bool = False
     pd_balance: bool = False  # prefill-heavy requests to decode-heavy engines within the band
     pd_hit_ratio: float = 0.7
     rebalance: bool = False  # Preble's post-assignment moves and hot-prefix replication
@@ -142,12 +151,16 @@ class _Scored:
 
     __slots__ = ("cost", "est", "ev", "eviction", "matched")
 
-    def __init__(self, ev: EngineView, est: Estimate, matched: int, work_weight: float) -> None:
+    def __init__(
+        self, ev: EngineView, est: Estimate, matched: int, work_weight: float, idle: bool
+    ) -> None:
         self.ev = ev
         self.est = est
         self.matched = matched
         self.eviction = 0.0
-        work = est.own_work_ms * (1 + est.behind + est.arrivals) + est.decode_harm
+        # its prefill's GPU time, unless the engine would otherwise idle (``idle_free``)
+        gpu = 0.0 if idle else 1.0
+        work = est.own_work_ms * (gpu + est.behind + est.arrivals) + est.decode_harm
         self.cost = est.ttft_ms + work_weight * work
 
 
@@ -229,7 +242,16 @@ class E2(PolicyBase):
         est = estimate(
             ev, ctx, view.matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
         )
-        return _Scored(ev, est, est.credited, self.config.work_weight)
+        cfg = self.config
+        # an idle engine that fits the request without evicting anything: its GPU time and its
+        # memory are nobody's
+        idle = (
+            cfg.idle_free
+            and ev.inflight <= 0
+            and est.queue_ms <= 0
+            and ctx.key_len - est.credited <= ev.free_bytes
+        )
+        return _Scored(ev, est, est.credited, cfg.work_weight, idle)
 
     def _contenders(self, view: ClusterView) -> list[EngineView]:
         """The engines worth scoring: all of them in a fleet of at most ``contenders``, else a

@@ -92,13 +92,22 @@ def test_decisions_follow_published_cache_contents() -> None:
 
 
 def test_burst_of_one_new_prefix_is_explored_once() -> None:
-    f = Fleet(n=4, speculative_ttl_s=5.0)
+    """Ten requests of one new prefix within 10 ms: by default the burst stays with the engine
+    prefilling the prefix (recomputing it elsewhere is work taken from others); with
+    ``idle_free`` each idle engine takes one (an idle GPU's time delays nobody) and the rest
+    join the holders: no engine prefills it twice either way."""
     key = b"new shared prefix " * 500
-    decisions = [f.route(f"r{i}", key + str(i).encode(), 1.0 + i * 0.001) for i in range(10)]
-    first = decisions[0]
-    assert first.reason in ("explore", "pd_balance")
-    assert {d.engine_id for d in decisions} == {first.engine_id}
-    assert all(d.reason == "exploit" for d in decisions[1:])
+    for idle_free in (False, True):
+        f = Fleet(n=4, options={"idle_free": idle_free}, speculative_ttl_s=5.0)
+        decisions = [f.route(f"r{i}", key + str(i).encode(), 1.0 + i * 0.001) for i in range(10)]
+        engines = [d.engine_id for d in decisions]
+        assert decisions[0].reason in ("explore", "pd_balance")
+        if idle_free:
+            assert len(set(engines[:4])) == 4
+            assert all(d.reason == "exploit" for d in decisions[4:])
+        else:
+            assert set(engines) == {engines[0]}
+            assert all(d.reason == "exploit" for d in decisions[1:])
     # nobody confirms: the speculative entries expire
     f.router.cluster.expire(100.0)
     assert f.router.cluster.match(key)[1] == {}

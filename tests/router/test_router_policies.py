@@ -300,6 +300,26 @@ def test_e2_tie_band_prefers_the_holder_then_the_least_loaded() -> None:
     assert make_policy("e2").choose(ctx(), view, 0.0).engine_id == "b"
 
 
+def test_e2_idle_free_leaves_an_idle_engine_s_gpu_time_uncharged() -> None:
+    # a holds 4 KiB of the key behind a queue about as long as b's whole prefill; a saves the
+    # prefix's prefill, so by default the GPU time it spares wins; with idle_free b's GPU has
+    # nothing else to do, so its time delays nobody and b's sooner first token wins
+    p_a, p_b = p_ms(4096), p_ms(0)
+    queued = 16
+    while PROFILE.prefill_ms(queued) + p_a < p_b:
+        queued += 16
+    view = FakeView([ev("a", hb=_hb(queued=queued)), ev("b")], matched={"a": 4096})
+    assert make_policy("e2").choose(ctx(), view, 0.0).engine_id == "a"
+    idle_free = make_policy("e2", {"idle_free": True})
+    assert idle_free.choose(ctx(), view, 0.0).engine_id == "b"
+    # b not idle (a request in flight there), or without room for the request (it would
+    # evict): its prefill's GPU time counts again
+    busy_b = FakeView([ev("a", hb=_hb(queued=queued)), ev("b", inflight=1)], matched={"a": 4096})
+    assert idle_free.choose(ctx(), busy_b, 0.0).engine_id == "a"
+    full_b = FakeView([ev("a", hb=_hb(queued=queued)), ev("b", free=0)], matched={"a": 4096})
+    assert idle_free.choose(ctx(), full_b, 0.0).engine_id == "a"
+
+
 def test_e2_ties_go_where_the_least_traffic_goes() -> None:
     # three engines equally cheap now (a short prompt: the recent rates' arrivals cost little);
     # "a" is idle at this instant but has taken most of the recent traffic (a hot prefix lives
