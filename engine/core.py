@@ -318,15 +318,14 @@ class EngineCore(SchedBook):
         return True
 
     def reject(self, st: ReqState, reason: str, now: float) -> None:
-        paused = st.phase is Phase.PREEMPTED
-        st.move(Phase.REJECTED)
-        if paused:
+        if st.phase is Phase.PREEMPTED:  # a paused prefill: its KV and ledger place go back
             self.prefilling.remove(st)
             st.unit = None
             self._prefill_work.pop(st.request_id, None)
             self._release(st, now)
         else:
             self.waiting.remove(st)
+        st.move(Phase.REJECTED)
         del self._states[st.request_id]
         self._events.append(RequestRejected(st.request_id, reason))
         self._pending.append(Output(st.request_id, rejected=reason))

@@ -645,8 +645,9 @@ class VllmBook(SchedBook):
             st.cached_tokens = min(max(cached, 0), st.req.input_tokens - 1)
 
     def pending_prefix(self, st: ReqState) -> int:
-        return 0  # (the book does not see vLLM's block hashes: a shared prefix may be computed
-        # twice when two requests start in one step, as with vLLM's own scheduler)
+        # the book does not see vLLM's block hashes: a shared prefix may be computed twice when
+        # two requests start in one step, as with vLLM's own scheduler
+        return 0
 
     def admit(self, st: ReqState, now: float) -> bool:
         if not self.admissible(st):
