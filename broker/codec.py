@@ -103,14 +103,27 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
             ev.profile,
             ev.url,
             list(ev.models),
-            *(
-                ()
-                if ev.decode_step_ms is None and ev.role == "both"
-                else (ev.decode_step_ms, ev.decode_batch, ev.decode_context)
-            ),
-            *(() if ev.role == "both" else (ev.role,)),
+            *_heartbeat_tail(ev),
         ]
     raise CodecError(f"cannot encode event kind {kind!r}")
+
+
+def _heartbeat_tail(ev: LoadHeartbeat) -> tuple:
+    """A heartbeat's optional fields, as far as the last one set (positional on the wire)."""
+    if ev.prefill_ms is not None or ev.prefill_plan_ms is not None:
+        return (
+            ev.decode_step_ms,
+            ev.decode_batch,
+            ev.decode_context,
+            ev.role,
+            ev.prefill_ms,
+            ev.prefill_plan_ms,
+        )
+    if ev.role != "both":
+        return (ev.decode_step_ms, ev.decode_batch, ev.decode_context, ev.role)
+    if ev.decode_step_ms is not None:
+        return (ev.decode_step_ms, ev.decode_batch, ev.decode_context)
+    return ()
 
 
 def encode_batch(envelopes: Sequence[Envelope]) -> dict[bytes, bytes]:
@@ -247,7 +260,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 4, "rj")
         return RequestRejected(rec[2], rec[3]), offset
     if kind == "hb":
-        _arity(rec, 11, "hb", optional=4)
+        _arity(rec, 11, "hb", optional=6)
         models = rec[10]
         if not isinstance(models, list):
             raise CodecError("hb: models must be a list")

@@ -240,7 +240,11 @@ class LoadHeartbeat:
     real decode speed from them). ``role`` is what the engine is for in a prefill/decode
     disaggregated fleet (:data:`ROLES`): ``prefill`` engines compute prompts and hand the KV
     on, ``decode`` engines take a prompt's KV from a prefill engine and generate, ``both``
-    (colocated, the default) run whole requests.
+    (colocated, the default) run whole requests. Optional, over the prefill work since the
+    previous heartbeat, the operators done so far by a step still running included:
+    ``prefill_ms`` its execution time and ``prefill_plan_ms`` what the cost profile the engine
+    names gives for the same work (routers fit the engine's real prefill speed from their
+    ratio within a heartbeat of its starting work, where a first token can take seconds).
     """
 
     KIND: ClassVar[str] = "hb"
@@ -257,11 +261,19 @@ class LoadHeartbeat:
     decode_batch: float | None = None
     decode_context: float | None = None
     role: str = "both"
+    prefill_ms: float | None = None
+    prefill_plan_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise EventError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        for name in ("decode_step_ms", "decode_batch", "decode_context"):
+        for name in (
+            "decode_step_ms",
+            "decode_batch",
+            "decode_context",
+            "prefill_ms",
+            "prefill_plan_ms",
+        ):
             _check_ms(name, getattr(self, name), optional=True)
         for name in (
             "waiting",

@@ -40,6 +40,7 @@ from broker.events import (
     RequestRejected,
     RequestStarted,
 )
+from engine.costs import prefill_batch_ms
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import make_policy
 from engine.scheduler.book import SchedBook
@@ -99,6 +100,8 @@ class _Step:
     ops: int
     end: float
     mean_ctx: float = 0.0  # of the decode batch
+    plan_op_ms: float = 0.0  # one prefill operator on the announced profile (heartbeats)
+    ops_reported: int = 0  # prefill operators already counted in a heartbeat
 
     @property
     def prefill_start(self) -> float:
@@ -118,10 +121,14 @@ class EngineCore(SchedBook):
         policy: str = "slo",
         config: SchedulerConfig | None = None,
         role: str = "both",
+        announced: CostProfile | None = None,
     ) -> None:
         super().__init__(profile, config or SchedulerConfig())
         self.engine_id = engine_id
         self.role = role  # announced in heartbeats (broker.events.ROLES)
+        # the profile routers know this engine by, when it runs otherwise (the simulator's
+        # engine on hardware slower than its type): its prefill reports are planned on it
+        self.announced = announced or profile
         self.policy = make_policy(policy)
         self.cache = PrefixCache(profile.kv_blocks, profile.block_bytes)
         self._states: dict[str, ReqState] = {}
@@ -137,6 +144,8 @@ class EngineCore(SchedBook):
         # what routers fit this engine's real speed from (broker.events FirstToken): per request
         # in prefill, [execution ms, batch tokens] of its finished prefill units
         self._prefill_work: dict[str, list[float]] = {}
+        # prefill operators run since the last heartbeat: [execution ms, announced-profile ms]
+        self._prefill_report = [0.0, 0.0]
 
     # ------------------------------------------------------------------ driving API
 
@@ -257,16 +266,39 @@ class EngineCore(SchedBook):
         out, self._events = self._events, []
         return out
 
-    def heartbeat(self, url: str, models: tuple[str, ...]) -> LoadHeartbeat:
-        """The engine's load now; its decode-step figures cover the steps since the previous
-        heartbeat (so call it once per heartbeat sent)."""
+    def heartbeat(
+        self, url: str, models: tuple[str, ...], now: float | None = None
+    ) -> LoadHeartbeat:
+        """The engine's load now; its step figures cover the steps since the previous heartbeat
+        (so call it once per heartbeat sent), and with ``now`` the operators a running step has
+        done so far (a lone long prefill is one step: its speed shows long before it ends)."""
+        step = self._step
+        if now is not None and step is not None and step.unit is not None:
+            op_s = step.unit.op_ms / 1000.0
+            done = (now - step.prefill_start) / op_s if op_s > 0 else 0.0
+            self._report_prefill(step, min(max(math.floor(done + _EPS), 0), step.ops))
+        ms, plan_ms = self._prefill_report
+        self._prefill_report = [0.0, 0.0]
         return self._load_heartbeat(
             url,
             models,
             kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
             kv_blocks_total=self.profile.kv_blocks,
             role=self.role,
+            prefill_ms=ms if ms > 0 else None,
+            prefill_plan_ms=plan_ms if ms > 0 else None,
         )
+
+    def _report_prefill(self, step: _Step, ops_done: int) -> None:
+        """Count ``step``'s prefill operators up to ``ops_done`` for the next heartbeat."""
+        unit = step.unit
+        new = ops_done - step.ops_reported
+        if unit is None or new <= 0:
+            return
+        step.ops_reported = ops_done
+        rep = self._prefill_report
+        rep[0] += new * unit.op_ms
+        rep[1] += new * step.plan_op_ms
 
     def receive_kv(self, key: bytes, now: float) -> bool:
         """A prompt's KV arrived from a prefill engine (disaggregation): its whole blocks join
@@ -368,6 +400,12 @@ class EngineCore(SchedBook):
             mean_ctx = sum(st.context for st in plan.decode) / len(plan.decode)
             decode_ms = self.profile.decode_step_ms(len(plan.decode), mean_ctx)
         prefill_ms = unit.op_ms * plan.prefill_ops if unit is not None else 0.0
+        plan_op_ms = 0.0
+        if unit is not None:
+            plan_op_ms = unit.op_ms
+            if self.announced is not self.profile:
+                pieces = [(n, c) for _, n, c in unit.pieces]
+                plan_op_ms = prefill_batch_ms(self.announced, pieces) / unit.ops_total
         self._step = _Step(
             start=t,
             decode=plan.decode,
@@ -376,10 +414,12 @@ class EngineCore(SchedBook):
             ops=plan.prefill_ops,
             end=t + (decode_ms + prefill_ms) / 1000.0,
             mean_ctx=mean_ctx if plan.decode else 0.0,
+            plan_op_ms=plan_op_ms,
         )
 
     def _complete(self, step: _Step, out: list[Output]) -> None:
         self.busy_s += step.end - step.start
+        self._report_prefill(step, step.ops)
         if step.decode:
             self._note_decode_step(step.decode_ms, len(step.decode), step.mean_ctx)
         stream = self.config.stream_outputs

@@ -313,7 +313,7 @@ class EngineServer:
     async def _heartbeats(self) -> None:
         while True:
             if self.url and self.reporter is not None:
-                self.reporter.emit(self.core.heartbeat(self.url, self.config.models))
+                self.reporter.emit(self.core.heartbeat(self.url, self.config.models, self.now()))
             await asyncio.sleep(self.config.heartbeat_s)
 
     def record_drift(self, produced_at: Iterable[float], delivered_at: float) -> None:

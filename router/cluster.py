@@ -53,6 +53,9 @@ from router.policies.base import Move
 from router.policies.feasibility import RATE_TAU_S, queued_prefill_tokens
 from router.tree_node import Match
 
+# prefill work in one heartbeat that weighs as much as a first token in the speed fit
+HEARTBEAT_FULL_WEIGHT_MS = 100.0
+
 
 class Cluster(ClusterState):
     """Folds broker events, the router's decisions and time into :class:`ClusterState`; see
@@ -71,6 +74,7 @@ class Cluster(ClusterState):
                 self.reset_engine(env.engine_id, now)
             eng.epoch = env.epoch
             eng.reports_kv = False
+            eng.reports_prefill_steps = False
         if isinstance(ev, BlockStored):
             eng.reports_kv = True
             self.tree.apply_stored(env.engine_id, ev.parent_hash, ev.hashes, ev.blocks, now)
@@ -97,6 +101,8 @@ class Cluster(ClusterState):
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
                 predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
                 eng.speed.observe_decode(predicted, ev.decode_step_ms)
+            if ev.prefill_ms is not None and ev.prefill_plan_ms and self.config.fit_speed:
+                self._fit_prefill_steps(eng, ev)
             if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
                 eng.url = ev.url
                 eng.models = ev.models
@@ -163,8 +169,8 @@ class Cluster(ClusterState):
         """What a first token says of the engine's prefill speed: the execution time of its
         prefill batches against the profile's time for their tokens, or (an engine that does not
         report that) the TTFT of a request that found nothing ahead of it, as weaker evidence."""
-        if not self.config.fit_speed:
-            return
+        if not self.config.fit_speed or eng.reports_prefill_steps:
+            return  # (its heartbeats time the same work exactly)
         if ev.prefill_ms is not None and ev.prefill_tokens:
             predicted = eng.profile.prefill_ms(ev.prefill_tokens, ev.context_tokens or 0)
             eng.speed.observe_prefill(predicted, ev.prefill_ms)
@@ -173,6 +179,22 @@ class Cluster(ClusterState):
         else:
             return
         eng.view = None
+        self._load_dirty[eng.engine_id] = eng
+
+    def _fit_prefill_steps(self, eng: _Engine, ev: LoadHeartbeat) -> None:
+        """A heartbeat's prefill work against its plan on the profile the engine names: the
+        engine's speed shows within a heartbeat of its starting work (a first token can take
+        seconds on a slow engine, and every request routed there meanwhile is placed on the
+        wrong speed). Weighted by the work it covers, up to a first token's weight at
+        ``HEARTBEAT_FULL_WEIGHT_MS``: a few ms of work is timing noise on a real engine. Only
+        when this router costs the engine on that same profile (not a default)."""
+        plan = ev.prefill_plan_ms or 0.0
+        if eng.profile.name != ev.profile or ev.prefill_ms is None or plan <= 0:
+            return
+        eng.reports_prefill_steps = True
+        eng.speed.observe_prefill(
+            plan, ev.prefill_ms, weight=min(plan / HEARTBEAT_FULL_WEIGHT_MS, 1.0)
+        )
         self._load_dirty[eng.engine_id] = eng
 
     def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:

@@ -114,6 +114,7 @@ class _Engine:
     # request events; else inf))
     open_prefill: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
     reports_requests: bool = False  # it sends request events (enqueued, first token, ...)
+    reports_prefill_steps: bool = False  # its heartbeats time its prefill work (speed fit)
     open_prefill_tokens: int = 0  # their sum of missed tokens
     groups: dict[int, _GroupWork] = field(default_factory=dict)
     tpots: deque = field(default_factory=deque)

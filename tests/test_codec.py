@@ -38,8 +38,15 @@ block_stored = st.integers(1, 5).flatmap(
     )
 )
 heartbeat = st.builds(
-    lambda counts, vbs, prof, url, models, decode: LoadHeartbeat(
-        *counts, vbs, prof, url, models, *(decode or (None, None, None))
+    lambda counts, vbs, prof, url, models, decode, role, prefill: LoadHeartbeat(
+        *counts,
+        vbs,
+        prof,
+        url,
+        models,
+        *(decode or (None, None, None)),
+        role,
+        *(prefill or (None, None)),
     ),
     st.tuples(COUNT, COUNT, COUNT, COUNT, COUNT),
     MS,
@@ -47,6 +54,8 @@ heartbeat = st.builds(
     ID,
     st.lists(ID, max_size=3).map(tuple),
     st.none() | st.tuples(MS, MS, MS),  # optional decode-step figures (SpeedFit)
+    st.sampled_from(("both", "prefill", "decode")),
+    st.none() | st.tuples(MS, MS),  # optional prefill-work figures (SpeedFit)
 )
 first_token = st.one_of(
     st.builds(FirstToken, ID, MS),
@@ -144,8 +153,12 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     roled = [*hb, 20.0, 4.0, 900.0, "decode"]  # P/D disaggregation's role, added last
     (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [roled]]), b"b": b""})
     assert env.event.role == "decode" and env.event.decode_batch == 4.0
-    newer = orjson.dumps(["e1", "ep", 0, [[*roled, "extra"]]])
-    with pytest.raises(CodecError, match="11 to 15 items"):
+    timed = [*roled, 300.0, 150.0]  # the prefill work's time and plan (speed fit), added last
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [timed]]), b"b": b""})
+    assert (env.event.prefill_ms, env.event.prefill_plan_ms) == (300.0, 150.0)
+    assert env.event.role == "decode"
+    newer = orjson.dumps(["e1", "ep", 0, [[*timed, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 17 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
 
 

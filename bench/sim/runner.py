@@ -140,8 +140,17 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
     # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
     sched_cfg = SchedulerConfig(stream_outputs=False)
     roles = cfg.roles or ("both",) * cfg.engines
+    # an engine runs its true profile and names the nominal one (slow_announce "same"): routers
+    # must find out how fast it really is
     engines = [
-        EngineCore(eid, prof, policy=scheduler, config=sched_cfg, role=role)
+        EngineCore(
+            eid,
+            prof,
+            policy=scheduler,
+            config=sched_cfg,
+            role=role,
+            announced=profile if cfg.slow_announce == "same" else prof,
+        )
         for eid, prof, role in zip(ids, cfg.engine_profiles(), roles, strict=True)
     ]
     cluster = cfg.cluster

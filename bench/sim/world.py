@@ -395,7 +395,7 @@ class World:
 
     def _send_heartbeat(self, slot: _EngineSlot, now: float) -> None:
         self.stats.heartbeats += 1
-        self._ship(slot, [slot.core.heartbeat(slot.url, self.models)], now)
+        self._ship(slot, [slot.core.heartbeat(slot.url, self.models, now)], now)
 
     def _on_heartbeat(self, index: int, now: float) -> None:
         slot = self.slots[index]

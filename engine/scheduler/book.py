@@ -102,8 +102,11 @@ class SchedBook:
         kv_blocks_used: int,
         kv_blocks_total: int,
         role: str = "both",
+        prefill_ms: float | None = None,
+        prefill_plan_ms: float | None = None,
     ) -> LoadHeartbeat:
-        """The load now; the decode-step figures cover the steps since the previous heartbeat."""
+        """The load now; the decode-step figures cover the steps since the previous heartbeat
+        (the prefill ones are the caller's: only it knows how far a running step has got)."""
         queued = self.queued_prefill_tokens()
         steps, ms, batch, ctx = self._decode_stats
         self._decode_stats = [0, 0.0, 0.0, 0.0]  # each heartbeat reports the steps since
@@ -121,6 +124,8 @@ class SchedBook:
             decode_batch=batch / steps if steps else None,
             decode_context=ctx / steps if steps else None,
             role=role,
+            prefill_ms=prefill_ms,
+            prefill_plan_ms=prefill_plan_ms,
         )
 
     # ------------------------------------------------------------------ bookkeeping

@@ -13,6 +13,7 @@ from broker.events import (
     RequestRejected,
     RequestStarted,
 )
+from engine.core import EngineCore
 from engine.costs import TtftPredictor, least_squares, prefill_batch_ms
 from engine.scheduler import POLICIES, make_policy
 from engine.scheduler.state import Phase, TransitionError
@@ -87,6 +88,26 @@ def test_heartbeat_reports_load() -> None:
     assert hb.running + hb.waiting == 2 and hb.kv_blocks_total == 100_000
     assert hb.queued_prefill_tokens == 1500
     assert hb.vbs == pytest.approx(1.5) and hb.profile == "linear-test"
+
+
+def test_heartbeats_time_the_prefill_work_of_a_running_step() -> None:
+    """An engine running twice as slow as the profile it names: a heartbeat in the middle of a
+    lone 4,000-token prefill (one step) already reports the operators done so far, timed and
+    planned on the named profile; the next reports the rest; together, the whole prefill."""
+    named = linear_profile()
+    c = EngineCore("e-slow", named.slowed(2.0), announced=named)
+    c.submit(req("A", 4000), 0.0)
+    c.advance(0.0)
+    hb = c.heartbeat("http://127.0.0.1:1", ("m",), now=4.0)  # half of its 8 s
+    assert hb.prefill_ms == pytest.approx(4000.0, rel=0.05)
+    assert hb.prefill_plan_ms == pytest.approx(hb.prefill_ms / 2)
+    outs = run_until(c, 10.0)
+    assert outs and outs[0].first_token and outs[0].times[0] == pytest.approx(8.0)
+    rest = c.heartbeat("http://127.0.0.1:1", ("m",), now=10.0)
+    assert hb.prefill_ms + rest.prefill_ms == pytest.approx(8000.0)
+    assert hb.prefill_plan_ms + rest.prefill_plan_ms == pytest.approx(4000.0)
+    idle = c.heartbeat("http://127.0.0.1:1", ("m",), now=11.0)
+    assert idle.prefill_ms is None and idle.prefill_plan_ms is None  # nothing ran since
 
 
 def test_duplicate_request_id_is_a_caller_error() -> None:

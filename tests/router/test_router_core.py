@@ -671,6 +671,27 @@ def test_router_fits_each_engines_speed_from_its_reports() -> None:
     assert _view(g, 2.0)[1].prefill_scale == 1.0
 
 
+def test_heartbeats_timing_prefill_work_fit_the_speed_before_any_first_token() -> None:
+    """An engine that times its prefill work in heartbeats is fitted from them at once (a slow
+    engine's first token can take seconds), and only from them: a first token's figures
+    approximate a batch's cost, the heartbeat times the same work exactly."""
+    f = Fleet(n=2)
+    prof = f.router.cluster.engines["e0"].profile
+    f.heartbeat("e0", 1.0, prefill_ms=400.0, prefill_plan_ms=200.0)
+    _, ev = _view(f, 1.1)
+    assert ev.prefill_scale == pytest.approx(2.0)
+    assert f.route("r", b"q" * 8_000, 1.1).engine_id == "e1"  # e0 is twice as slow
+    f.send("e0", FirstToken("x", 500.0, prof.prefill_ms(3000, 500) * 5, 3000, 500), 1.2)
+    assert _view(f, 1.3)[1].prefill_scale == pytest.approx(2.0)
+    # a few ms of work weighs little against what is known (timing noise on a real engine)
+    f.heartbeat("e0", 2.0, prefill_ms=10.0, prefill_plan_ms=10.0)
+    assert 1.8 < _view(f, 2.1)[1].prefill_scale < 2.0
+    # an engine named after a profile this router does not know is costed on a default one:
+    # its plan is on another profile, so it says nothing of the speed here
+    f.heartbeat("e1", 2.0, profile="no-such-profile", prefill_ms=900.0, prefill_plan_ms=100.0)
+    assert _view(f, 2.1, "e1")[1].prefill_scale == 1.0
+
+
 def test_an_engine_without_prefill_reports_is_fitted_from_idle_ttfts() -> None:
     f = Fleet(n=1)
     prof = f.router.cluster.engines["e0"].profile
