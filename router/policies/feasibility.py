@@ -254,8 +254,11 @@ def decode_step_ms(ev: EngineView) -> float:
     (the admission wait, :func:`_vbs_wait_ms`) and do not slow the steps. Uncapped, an engine
     with a long queue of long-context requests looked to leave prefill the 5% floor of the
     GPU, a 20x wait on top of the admission wait, and e2 recomputed the prefixes it held
-    elsewhere (held-out Mooncake synthetic trace, 8 engines: docs/router.md)."""
-    if ev.decoding <= 0 or ev.inflight <= 0:
+    elsewhere (held-out Mooncake synthetic trace, 8 engines: docs/router.md). So also when
+    nothing decodes yet: in a burst the requests just routed there are all still queued, and
+    every one ahead of a new request decodes while it prefills (taken as a full step at none,
+    a programming flash crowd's TTFTs came out 2-3x the router's prediction)."""
+    if ev.inflight <= 0:
         return 0.0
     t_min = ev.open_tpot_min_ms
     mean_ctx = ev.open_ctx_tokens / ev.inflight
@@ -278,8 +281,9 @@ def step_budget_tpot_ms(ev: EngineView) -> float:
 
 def prefill_share(ev: EngineView, step_ms: float | None = None) -> float:
     """The share of ``ev``'s GPU time its prefill gets while its decode batch runs (its decode
-    step ``step_ms``, :func:`decode_step_ms` when not given)."""
-    if ev.decoding <= 0:
+    step ``step_ms``, :func:`decode_step_ms` when not given): the batch its in-flight requests
+    make once they decode, as they will while a new request's prefill runs."""
+    if ev.inflight <= 0:
         return 1.0
     step = decode_step_ms(ev) if step_ms is None else step_ms
     return cost_prefill_share(step, STEP_BUDGET * step_budget_tpot_ms(ev))
@@ -303,7 +307,10 @@ def estimate(
     slo = req.slo
     step = decode_step_ms(ev)
     share = prefill_share(ev, step)
-    queue, behind, runs = view.prefill_queue(ev, deadline_s(ctx, now), share)
+    # which work ahead can still start in time (the TTFT floor's ``runs``) is judged at full
+    # speed while nothing decodes yet: shedding is final, so the floor stays optimistic
+    runs_share = share if ev.decoding > 0 else 1.0
+    queue, behind, runs = view.prefill_queue(ev, deadline_s(ctx, now), runs_share)
     routed = matched
     if behind and confirmed is not None and confirmed < matched:
         matched = confirmed
