@@ -27,7 +27,6 @@ what it has and logs the engines still pending.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -39,9 +38,14 @@ from broker.base import BadStream, Broker, BrokerError, BrokerUnavailable, parse
 from broker.codec import CodecError, decode_batch, decode_snapshot
 from broker.events import AllCleared, BlockStored, Envelope, Snapshot
 from broker.tracker import Cursor, State, Verdict
+from kvgate.aio import stop_tasks
 from kvgate.logs import LogOnce
 
 log = logging.getLogger("kvgate.consumer")
+
+# close() waits this long at most for the task (a round is bounded by the broker's timeouts; a
+# cancel() that a Redis call swallowed is repeated, see kvgate.aio).
+CLOSE_TIMEOUT_S = 5.0
 
 
 class Sink(Protocol):
@@ -129,13 +133,12 @@ class Consumer:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="kvgate-consumer")
 
-    async def close(self) -> None:
+    async def close(self, *, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop following streams; bounded even while the broker is down or restarting."""
         self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+            task, self._task = self._task, None
+            await stop_tasks([task], timeout_s, what="consumer")
 
     @property
     def connected(self) -> bool:

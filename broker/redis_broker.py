@@ -15,6 +15,7 @@ Every operation maps redis' connection, timeout, loading and read-only (failover
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from urllib.parse import parse_qs, unquote
@@ -40,6 +41,7 @@ from broker.base import (
 SOCKET_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 3.0
 MAX_BLOCK_MS = 5000
+CLOSE_TIMEOUT_S = 5.0
 RETENTION_S = 24 * 3600  # an engine's stream and snapshot outlive its last registration this long
 _UNAVAILABLE = (
     rexc.ConnectionError,  # includes BusyLoadingError and sentinel's MasterNotFoundError
@@ -233,12 +235,15 @@ class RedisBroker:
             await self._redis.ping()
 
     async def close(self) -> None:
+        """Close the connections; bounded (``CLOSE_TIMEOUT_S`` each) even while Redis is down."""
         with contextlib.suppress(Exception):
-            await self._redis.aclose()
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self._redis.aclose()
         if self._sentinel is not None:
             for conn in self._sentinel.sentinels:
                 with contextlib.suppress(Exception):
-                    await conn.aclose()
+                    async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                        await conn.aclose()
 
 
 def connect_redis(url: str, *, prefix: str = "kvgate:") -> RedisBroker:

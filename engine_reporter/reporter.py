@@ -28,9 +28,13 @@ from broker.base import Broker, BrokerError
 from broker.codec import encode_batch, encode_snapshot
 from broker.events import Event
 from engine_reporter.builder import ReportBuilder
+from kvgate.aio import stop_tasks
 from kvgate.logs import LogOnce
 
 log = logging.getLogger("kvgate.reporter")
+
+# After close()'s flush, the task gets this long to end once cancelled (see kvgate.aio).
+STOP_TIMEOUT_S = 2.0
 
 
 def new_epoch() -> str:
@@ -151,7 +155,8 @@ class Reporter:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         try:
-            await asyncio.wait_for(self._cycle(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._cycle()
         except (BrokerError, TimeoutError) as exc:
             self._went_down(exc)
         self._task = asyncio.create_task(self._run(), name=f"reporter:{self.engine_id}")
@@ -165,22 +170,19 @@ class Reporter:
         return not self._builder.pending
 
     async def close(self, *, unregister: bool = True, timeout_s: float = 5.0) -> None:
-        """Flush what is buffered (for up to ``timeout_s``), stop, and leave the registry."""
+        """Flush what is buffered (for up to ``timeout_s``), stop, and leave the registry.
+        Bounded even while the broker is down or restarting."""
         if self._closing:
             return
         self._closing = True
         self._wake.set()
         if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
-            except (TimeoutError, BrokerError):
-                pass
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await asyncio.wait({self._task}, timeout=timeout_s)  # the task ends by itself
+            await stop_tasks([self._task], STOP_TIMEOUT_S, what=f"reporter {self.engine_id}")
         if unregister and not self._down:
             with contextlib.suppress(BrokerError, TimeoutError):
-                await asyncio.wait_for(self.broker.unregister(self.engine_id), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self.broker.unregister(self.engine_id)
 
     # ----------------------------------------------------------------- background task
 
@@ -188,8 +190,11 @@ class Reporter:
         delay = self._backoff[0]
         while True:
             if not self._closing and self._builder.pending < self._wake_at:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the
+                # cancel() that stops this task (kvgate.aio).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+                    async with asyncio.timeout(self.flush_interval_s):
+                        await self._wake.wait()
             self._wake.clear()
             try:
                 await self._cycle()
@@ -203,6 +208,8 @@ class Reporter:
             except Exception:  # a bug must not silently end publishing: log and carry on
                 log.exception("reporter %s: flush failed", self.engine_id)
                 self._snapshot_due = True
+                if self._closing:
+                    return
                 await asyncio.sleep(delay)
                 continue
             if self._down:

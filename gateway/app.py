@@ -54,6 +54,7 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from kvgate.aio import stop_tasks
 from kvgate.kv_transfer import decode_body, prefill_body, returned_params
 from kvgate.logs import AccessLog, LogOnce, request_id_var
 from kvgate.openai_request import ChatTemplate, Endpoint, RequestError, parse_request
@@ -70,6 +71,9 @@ WORKER_HEADER = "x-kvgate-worker"  # the gateway process's pid, on debug respons
 DEBUG_HEADER = "x-kvgate-debug"
 FALLBACK_POLICY = "gateway_fallback"
 READY_POLL_S = 0.02  # how often a gateway that is not ready yet checks again
+# Stopping the background jobs waits this long at most: each job is bounded by its own timeouts
+# (route_timeout_s, health_timeout_s, the broker ping's), well below it.
+STOP_TIMEOUT_S = 5.0
 
 
 class _Access:
@@ -218,6 +222,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.upstream: UpstreamPool | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False  # the background loops end (a cancel() alone may be lost)
         self.shutting_down = False
         self.access_log = AccessLog() if config.access_log else None
         # Ready (latched): the routing service says it is (an embedded router has caught up
@@ -355,8 +360,12 @@ class Gateway:
         )
 
     async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
-        while True:
+        # Not ``while True``: a job that talks to Redis can swallow the cancel() meant to stop
+        # this loop (kvgate.aio), which then has to notice the stop by itself.
+        while not self._stopping:
             await asyncio.sleep(interval)
+            if self._stopping:
+                return
             try:
                 await job()
             except Exception:  # a background job must never die
@@ -366,7 +375,7 @@ class Gateway:
         """Send queued outcomes, everything queued at once per wake-up (under load many
         requests finish between two turns of the loop)."""
         reports = self.reports
-        while True:
+        while not self._stopping:
             batch = [await reports.get()]
             while not reports.empty():
                 batch.append(reports.get_nowait())
@@ -393,6 +402,7 @@ class Gateway:
             connect_timeout_s=self.config.connect_timeout_s,
             idle_timeout_s=self.config.idle_timeout_s,
         )
+        self._stopping = False
         await self.refresh_engines()
         await self.check_health()
         self._tasks = [
@@ -403,19 +413,19 @@ class Gateway:
         ]
 
     async def stop(self) -> None:
-        """Stop the periodic jobs and close the upstream connections."""
+        """Stop the periodic jobs (bounded: a job may swallow its cancellation, see
+        :mod:`kvgate.aio`) and close the upstream connections."""
         tasks, self._tasks = self._tasks, []
+        self._stopping = True
         if self.busy_poll is not None:
             self.busy_poll.close()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(tasks, STOP_TIMEOUT_S, what="gateway background job")
         if self.upstream is not None:
             await self.upstream.close()
 
     async def _become_ready(self) -> None:
         """Check readiness until it holds, then latch it and release the waiting requests."""
-        while self.ready_at is None:
+        while self.ready_at is None and not self._stopping:
             try:
                 if await self._check_ready():
                     return

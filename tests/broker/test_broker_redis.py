@@ -245,3 +245,42 @@ async def test_broker_down_is_reported_as_unavailable(private_redis) -> None:
     with pytest.raises(BrokerUnavailable):
         await b.read({"e": "0-0"}, block_ms=10)
     await b.close()
+
+
+async def _closed_within(what: str, close, limit_s: float) -> float:
+    started = time.monotonic()
+    await asyncio.wait_for(close(), limit_s + 5)  # a hang fails here, not at the suite's timeout
+    elapsed = time.monotonic() - started
+    assert elapsed < limit_s, f"{what} took {elapsed:.1f} s to close"
+    return elapsed
+
+
+@pytest.mark.parametrize("when", ["down", "restarting"])
+async def test_closing_while_redis_is_down_or_restarting_is_bounded(
+    private_redis, redis_prefix, when
+) -> None:
+    """Shutdown (consumer, reporter, broker) never waits on a Redis that is away or coming
+    back; each component ends within a few seconds."""
+    eb = await broker.connect(private_redis.url, prefix=redis_prefix)
+    rb = await broker.connect(private_redis.url, prefix=redis_prefix)
+    rep = reporter(eb)
+    await rep.start()
+    sink = FoldingSink()
+    consumer = Consumer(rb, sink, **FAST)
+    await consumer.start()
+    work = Workload(18)
+    await run_workload(rep, work, 100)
+    assert await converged(sink, rep)
+    private_redis.stop()
+    await run_workload(rep, work, 50, flush=False)
+    assert await wait_until(lambda: not rep.connected and not consumer.connected, 10)
+    restart = None
+    if when == "restarting":
+        restart = asyncio.create_task(asyncio.to_thread(private_redis.start))
+        await asyncio.sleep(0.01)  # the server is starting while everything closes
+    await _closed_within("consumer", consumer.close, 6)
+    await _closed_within("reporter", rep.close, 8)
+    await _closed_within("router's broker", rb.close, 6)
+    await _closed_within("engine's broker", eb.close, 6)
+    if restart is not None:
+        await restart
