@@ -127,7 +127,8 @@ class EngineCore(SchedBook):
         self.engine_id = engine_id
         self.role = role  # announced in heartbeats (broker.events.ROLES)
         # the profile routers know this engine by, when it runs otherwise (the simulator's
-        # engine on hardware slower than its type): its prefill reports are planned on it
+        # engine on hardware slower than its type): its heartbeats name it and plan its
+        # prefill reports on it
         self.announced = announced or profile
         self.policy = make_policy(policy)
         self.cache = PrefixCache(profile.kv_blocks, profile.block_bytes)
@@ -285,6 +286,7 @@ class EngineCore(SchedBook):
             kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
             kv_blocks_total=self.profile.kv_blocks,
             role=self.role,
+            profile=self.announced.name,
             prefill_ms=ms if ms > 0 else None,
             prefill_plan_ms=plan_ms if ms > 0 else None,
         )

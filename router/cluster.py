@@ -101,7 +101,7 @@ class Cluster(ClusterState):
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
                 predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
                 eng.speed.observe_decode(predicted, ev.decode_step_ms)
-            if ev.prefill_ms is not None and ev.prefill_plan_ms and self.config.fit_speed:
+            if self.config.fit_speed:
                 self._fit_prefill_steps(eng, ev)
             if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
                 eng.url = ev.url

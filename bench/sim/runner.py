@@ -84,14 +84,11 @@ class SimConfig:
             raise ValueError("slow_announce must be 'same' or 'true'")
 
     def engine_profiles(self) -> list[CostProfile]:
-        """Each engine's true cost profile, in engine order."""
+        """Each engine's true cost profile, in engine order (what it announces:
+        :func:`build_world`)."""
         base = load_profile(self.profile)
         factors = self.speeds or [self.slow_factor if i % 2 else 1.0 for i in range(self.engines)]
-        out = []
-        for f in factors:
-            prof = base.slowed(f)
-            out.append(replace(prof, name=base.name) if self.slow_announce == "same" else prof)
-        return out
+        return [base.slowed(f) for f in factors]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +171,11 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
     if cfg.static_engines:
         for slot, eng in zip(world.slots, engines, strict=True):
             router.add_static_engine(
-                slot.core.engine_id, slot.url, world.models, profile=eng.profile.name, role=eng.role
+                slot.core.engine_id,
+                slot.url,
+                world.models,
+                profile=eng.announced.name,
+                role=eng.role,
             )
     return world
 

@@ -102,6 +102,7 @@ class SchedBook:
         kv_blocks_used: int,
         kv_blocks_total: int,
         role: str = "both",
+        profile: str | None = None,
         prefill_ms: float | None = None,
         prefill_plan_ms: float | None = None,
     ) -> LoadHeartbeat:
@@ -117,7 +118,7 @@ class SchedBook:
             kv_blocks_used=kv_blocks_used,
             kv_blocks_total=kv_blocks_total,
             vbs=self.vbs,
-            profile=self.profile.name,
+            profile=profile or self.profile.name,
             url=url,
             models=models,
             decode_step_ms=ms / steps if steps else None,
