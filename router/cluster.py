@@ -227,7 +227,15 @@ class Cluster(ClusterState):
     # ------------------------------------------------------------------ decisions
 
     def group_of(self, key: bytes) -> int:
-        return block_hash(None, key[: self.config.group_bytes])
+        """The key's prefix group (the unit rebalancing moves): the hash of its first
+        ``group_bytes``; of a key shorter than twice that, its first power of two bytes up to
+        half its length (the same for the keys of one shared prefix with tails of different
+        lengths). A whole short key (a document and a unique question, a system prompt and a
+        user turn) made every request its own group, and rebalancing had nothing to move."""
+        n = self.config.group_bytes
+        if len(key) < 2 * n:
+            n = 1 << max((len(key) // 2).bit_length() - 1, 0)
+        return block_hash(None, key[:n])
 
     def match(self, key: bytes) -> tuple[Match, dict[str, int]]:
         """The tree's match (``Match.per_engine``: what the engines' block events confirm) and
@@ -333,6 +341,7 @@ class Cluster(ClusterState):
         eng.open_ctx_tokens += ctx_tokens
         eng.pending_prefill_tokens += missed
         eng.routed_total += 1
+        self.routed_total += 1
         decay = math.exp(-(now - eng.rate_t) / RATE_TAU_S)
         eng.rate = eng.rate * decay + 1.0 / RATE_TAU_S  # (exponentially weighted rates)
         eng.prefill_rate = eng.prefill_rate * decay + own_s * 1e3 / RATE_TAU_S

@@ -139,8 +139,7 @@ class ClusterState:
         # the same by the windowed L (rebalancing); the same order when that is L
         self._by_window = self._by_load if load_mode == "window" else _LoadOrder()
         self._load_dirty: dict[str, _Engine] = {}
-        # model -> (eligible set, exclude, the engine with the fewest routed, its count)
-        self._min_routed: dict[str, tuple[dict, frozenset[str], _Engine, int]] = {}
+        self.routed_total = 0  # requests ever routed (E2's rebalancing warm-up)
         self._overrides: dict[int, tuple[str, float]] = {}
         self._replicas: dict[int, tuple[frozenset[str], float]] = {}
         self.events: dict[str, int] = {}

@@ -112,29 +112,9 @@ class View:
             busiest.view or cl.engine_view(busiest),
         )
 
-    def min_routed(self) -> int:
-        """The fewest requests ever routed to one candidate (E2's warm-up). Counts only grow,
-        so the minimum is cached per eligible set and recomputed only when its holder moved."""
-        cl = self._cluster
-        cached = cl._min_routed.get(self._model)
-        if (
-            cached is not None
-            and cached[0] is self._eligible
-            and cached[1] == self._exclude
-            and cached[2].routed_total == cached[3]
-        ):
-            return cached[3]
-        low: _Engine | None = None
-        exclude = self._exclude
-        for eng in self._eligible.values():
-            if eng.engine_id not in exclude and (
-                low is None or eng.routed_total < low.routed_total
-            ):
-                low = eng
-        if low is None:
-            return 0
-        cl._min_routed[self._model] = (self._eligible, exclude, low, low.routed_total)
-        return low.routed_total
+    def routed_total(self) -> int:
+        """The requests ever routed, to any engine (E2's warm-up)."""
+        return self._cluster.routed_total
 
     def profiles(self) -> tuple[CostProfile, ...]:
         """The distinct cost profiles among the candidates (or a superset)."""

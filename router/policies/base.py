@@ -250,8 +250,8 @@ class ClusterView(Protocol):
         ``window_ms``); equal loads: the lowest position for both (None: no candidate)."""
         ...
 
-    def min_routed(self) -> int:
-        """The fewest requests ever routed to one candidate (0 with none)."""
+    def routed_total(self) -> int:
+        """The requests ever routed, to any engine."""
         ...
 
     def profiles(self) -> Sequence[CostProfile]:

@@ -324,7 +324,7 @@ def test_rebalance_moves_a_prefix_group_end_to_end() -> None:
     f.router.set_draining("e1", False)
     for e in ("e0", "e1"):
         f.heartbeat(e, 19.0)
-    # e1 needs its warm-up first: route unrelated prompts to it
+    # rebalancing needs e1 to have taken some of the window's work: route unrelated prompts
     f.router.set_draining("e0", True)
     for i in range(6):
         f.route(f"w{i}", bytes([i]) * 4000 + b"!", 20.0 + i)
@@ -334,6 +334,19 @@ def test_rebalance_moves_a_prefix_group_end_to_end() -> None:
     reasons = [f.route(f"s{i}", hot[i % 4] + b"?", 30.0 + i).reason for i in range(8)]
     assert "rebalance" in reasons
     assert f.router.cluster.moves >= 1
+
+
+def test_a_short_key_s_prefix_group_is_its_first_half() -> None:
+    # a document and a unique question, shorter than group_bytes: the requests on one document
+    # are one group (the whole key made each request its own, and rebalancing moved nothing)
+    cl = Fleet().router.cluster
+    doc = b"Document 3: " + b"market town road " * 30
+    assert len(doc) < cl.config.group_bytes
+    assert cl.group_of(doc + b"\nQuestion 1?") == cl.group_of(doc + b"\nQuestion 22: why?")
+    assert cl.group_of(doc + b"?") != cl.group_of(b"Document 4: " + doc[12:] + b"?")
+    # a long key: its first group_bytes, whatever follows
+    long = b"s" * 4096
+    assert cl.group_of(long + b"a") == cl.group_of(long + b"b" * 3000)
 
 
 def test_state_is_json_ready_and_counts_decisions() -> None:

@@ -108,8 +108,8 @@ class FakeView:
             return None
         return min(self.engines, key=load), max(self.engines, key=load)  # first of equals
 
-    def min_routed(self) -> int:
-        return min((e.routed_total for e in self.engines), default=0)
+    def routed_total(self) -> int:
+        return sum(e.routed_total for e in self.engines)
 
     def profiles(self) -> list[CostProfile]:
         return list({ev.profile.name: ev.profile for ev in self.engines}.values())
@@ -347,6 +347,26 @@ def test_e2_ties_go_where_the_least_traffic_goes() -> None:
     assert wide.choose(short, FakeView([engines[1], engines[2]]), 0.0).engine_id == "c"
 
 
+def test_e2_ties_go_by_traffic_only_among_engines_with_room_for_the_key() -> None:
+    # the quietest engine, c, has no free KV left for the 400 new bytes: a new prefix there
+    # evicts (the quietest engine would collect every new prefix and thrash); an engine with
+    # room comes first, by its traffic
+    engines = [
+        replace(ev("a", load=0.0), rate_per_s=4.0),
+        replace(ev("b", load=300.0), rate_per_s=2.0),
+        replace(ev("c", load=600.0, free=399), rate_per_s=1.0),
+    ]
+    short = ctx(400)
+    assert make_policy("e2").choose(short, FakeView(engines), 0.0).engine_id == "b"
+    # exactly room enough: c again
+    engines[2] = replace(engines[2], free_bytes=400)
+    assert make_policy("e2").choose(short, FakeView(engines), 0.0).engine_id == "c"
+    # no engine with room (full caches, as on vLLM, which keeps freed blocks cached): the
+    # least outstanding work, whatever the traffic
+    full = [replace(e, free_bytes=0) for e in engines]
+    assert make_policy("e2").choose(short, FakeView(full), 0.0).engine_id == "a"
+
+
 def test_e2_eviction_term_prices_what_fitting_the_request_evicts() -> None:
     engines = [ev("b", load=10.0), ev("c", free=0)]
     view = FakeView(engines, evictions={"c": 1000.0})
@@ -354,7 +374,10 @@ def test_e2_eviction_term_prices_what_fitting_the_request_evicts() -> None:
     assert d.engine_id == "b"
     assert {c.engine_id: c.eviction_ms for c in d.candidates}["c"] == 1000.0
     no_m = make_policy("e2", {"eviction_term": False})
-    assert no_m.choose(ctx(), view, 0.0).engine_id == "c"  # a tie on TTFT: the less loaded
+    # a tie on TTFT: the one with room for the key, else the less loaded
+    assert no_m.choose(ctx(), view, 0.0).engine_id == "b"
+    both_full = FakeView([ev("b", load=10.0, free=0), ev("c", free=0)], evictions={"c": 1000.0})
+    assert no_m.choose(ctx(), both_full, 0.0).engine_id == "c"
 
 
 def test_e2_slo_filter_sheds_only_far_beyond_the_slo() -> None:
@@ -569,10 +592,16 @@ def test_e2_rebalancing_fires_at_1_5x_and_not_below() -> None:
     assert make_policy("e2").rebalance(ctx(), _rebalance_view(300.0, 100.0), 0.0) == ()
 
 
-def test_e2_rebalancing_waits_for_warmup() -> None:
+def test_e2_rebalancing_waits_for_warmup_of_50_requests_an_engine_on_average() -> None:
+    # 149 requests on 3 engines: still warming up
     view = _rebalance_view(300.0, 100.0)
-    view.engines[1] = ev("idle", load=100.0, routed=49)
+    view.engines[:] = [ev("busy", load=300.0, routed=100), ev("idle", load=100.0, routed=0),
+                       ev("mid", load=200.0, routed=49)]  # fmt: skip
     assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0) == ()
+    # 150: warm, though the idle engine has had none (a layout that starves an engine is what
+    # rebalancing is for; waiting for every engine to have 50 waited for ever there)
+    view.engines[2] = ev("mid", load=200.0, routed=50)
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
 
 
 def test_e2_moves_until_balanced() -> None:
