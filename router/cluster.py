@@ -299,6 +299,8 @@ class Cluster(ClusterState):
         g.prefill_ms += prefill
         g.out_tokens += req.max_tokens
         g.requests += 1
+        if key_len > g.key_bytes:
+            g.key_bytes = key_len
         g.entries.append(entry)
         self._note_group(eng, group, g)
         self._hits.append((now, engine_id, mine, key_len))
@@ -426,6 +428,7 @@ class Cluster(ClusterState):
                     d.prefill_ms += g.prefill_ms
                     d.out_tokens += g.out_tokens
                     d.requests += g.requests
+                    d.key_bytes = max(d.key_bytes, g.key_bytes)
                     d.entries = deque(sorted((*d.entries, *g.entries), key=lambda e: e[0]))
                 self._note_group(dst, mv.group, d)
             self._overrides[mv.group] = (mv.dst, until)

@@ -276,12 +276,18 @@ class ClusterState:
 
     # ------------------------------------------------------------------ views
 
+    @staticmethod
+    def capacity_bytes(eng: _Engine) -> int:
+        """The engine's KV cache in key bytes (its heartbeat's blocks, else its profile's)."""
+        hb = eng.heartbeat
+        return (hb.kv_blocks_total if hb else eng.profile.kv_blocks) * eng.profile.block_bytes
+
     def engine_view(self, eng: _Engine) -> EngineView:
         v = eng.view
         if v is None:
             p = eng.profile
             hb = eng.heartbeat
-            capacity = (hb.kv_blocks_total if hb else p.kv_blocks) * p.block_bytes
+            capacity = self.capacity_bytes(eng)
             used = hb.kv_blocks_used * p.block_bytes if hb else 0
             held = self.tree.held_bytes.get(eng.engine_id, 0)
             v = eng.view = EngineView(

@@ -74,12 +74,13 @@ class _GroupWork:
     """One prefix group's work on one engine in the window: what rebalancing weighs and moves
     (typed fields, not a list: the rebalancing check reads them after most decisions)."""
 
-    __slots__ = ("entries", "out_tokens", "prefill_ms", "requests")
+    __slots__ = ("entries", "key_bytes", "out_tokens", "prefill_ms", "requests")
 
     def __init__(self) -> None:
         self.prefill_ms = 0.0
         self.out_tokens = 0
         self.requests = 0
+        self.key_bytes = 0  # its longest key routed: the cache it takes where it lives
         self.entries: deque[list] = deque()  # its entries of ClusterState._load, oldest first
 
     def load_ms(self, tpot_ms: float) -> float:

@@ -278,21 +278,42 @@ class View:
                         found, best, best_load = True, g, load
         if not found:
             return
-        yield GroupLoad(best, best_load, eng.groups[best].requests)
+        top_work = eng.groups[best]
+        yield GroupLoad(best, best_load, top_work.requests, top_work.key_bytes)
         # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
         # without generic rich comparisons), group id ascending, then stably by load descending
         groups: list[int] = []
         loads: list[float] = []
         requests: list[int] = []
+        sizes: list[int] = []
         for g, w in eng.groups.items():
             if g != best and listed(g, w):
                 groups.append(g)
                 loads.append(w.load_ms(tpot))
                 requests.append(w.requests)
+                sizes.append(w.key_bytes)
         order = sorted(range(len(groups)), key=groups.__getitem__)
         order.sort(key=loads.__getitem__, reverse=True)
         for i in order:
-            yield GroupLoad(groups[i], loads[i], requests[i])
+            yield GroupLoad(groups[i], loads[i], requests[i], sizes[i])
+
+    def cache_room(self, engine_id: str, min_requests: int) -> int:
+        """Key bytes of ``engine_id``'s KV cache that its reused prefixes do not need: its
+        capacity minus the longest key of each prefix group with at least ``min_requests``
+        requests there in the window (groups rebalanced elsewhere left out). What a group
+        moved there can take without pushing a reused prefix out of its LRU."""
+        cl = self._cluster
+        eng = cl.engines.get(engine_id)
+        if eng is None:
+            return 0
+        overrides = cl._overrides
+        hot = 0
+        for g, w in eng.groups.items():
+            if w.requests >= min_requests:
+                o = overrides.get(g) if overrides else None
+                if o is None or o[0] == engine_id:
+                    hot += w.key_bytes
+        return cl.capacity_bytes(eng) - hot
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         dq = self._cluster._ttfts.get(group)

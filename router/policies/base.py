@@ -173,21 +173,24 @@ class RequestContext:
 
 @dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
 class GroupLoad:
-    """A prefix group's windowed work on one engine."""
+    """A prefix group's windowed work on one engine, and the cache its longest key takes."""
 
     group: int
     load_ms: float
     requests: int
+    key_bytes: int = 0
 
     def __init__(
         self,
         group: int,
         load_ms: float,
         requests: int,
+        key_bytes: int = 0,
     ) -> None:
         self.group = group
         self.load_ms = load_ms
         self.requests = requests
+        self.key_bytes = key_bytes
 
 
 @dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
@@ -310,6 +313,11 @@ class ClusterView(Protocol):
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         """Mean TTFT (ms) of ``group`` over the first and second half of the window (0: too
         few samples)."""
+        ...
+
+    def cache_room(self, engine_id: str, min_requests: int) -> int:
+        """Key bytes of the engine's KV cache not needed by its prefix groups with at least
+        ``min_requests`` requests in the window (its capacity minus their longest keys)."""
         ...
 
 

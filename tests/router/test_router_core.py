@@ -469,6 +469,15 @@ def test_groups_on_lists_movable_groups_heaviest_first() -> None:
     assert [gl.group for gl in view.groups_on("e0", 2)] == [group[1]]  # history: not listed
     assert [gl.group for gl in view.groups_on("e2")] == [group[0]]
     assert [gl.group for gl in view.groups_on("e1")] == [group[1]]
+    # each group's longest key is the cache it takes; an engine's room is its capacity
+    # (heartbeat blocks x block bytes) less the keys of the groups reused there (2 requests or
+    # more), leaving out group 0, which now goes to e2
+    assert {gl.group: gl.key_bytes for gl in view.groups_on("e0")}[group[1]] == 3001
+    capacity = 14_000 * cl.engines["e0"].profile.block_bytes
+    assert view.cache_room("e0", 2) == capacity - 3001  # group 1
+    assert view.cache_room("e0", 1) == capacity - 2 * 3001  # groups 1 and 2
+    assert view.cache_room("e2", 2) == capacity - 3001  # group 0, moved there
+    assert view.cache_room("e1", 2) == capacity  # group 1 has one request there
 
 
 @settings(max_examples=100, deadline=None)

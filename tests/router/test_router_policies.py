@@ -85,6 +85,7 @@ class FakeView:
     halves: dict[int, tuple[float, float]] = field(default_factory=dict)
     releases: dict[str, float] = field(default_factory=dict)
     sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
+    rooms: dict[str, int] = field(default_factory=dict)  # cache_room's answer (default: ample)
     asked: list[float] = field(default_factory=list)  # the SLOs share_due_sooner was asked
 
     def engine(self, engine_id: str) -> EngineView | None:
@@ -144,6 +145,9 @@ class FakeView:
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         return self.halves.get(group, (0.0, 0.0))
+
+    def cache_room(self, engine_id: str, min_requests: int) -> int:
+        return self.rooms.get(engine_id, 1 << 40)
 
 
 def ctx(
@@ -602,6 +606,18 @@ def test_e2_rebalancing_waits_for_warmup_of_50_requests_an_engine_on_average() -
     # rebalancing is for; waiting for every engine to have 50 waited for ever there)
     view.engines[2] = ev("mid", load=200.0, routed=50)
     assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
+
+
+def test_e2_moves_only_a_group_that_fits_in_the_least_busy_engine_s_cache() -> None:
+    # group 11 (its key 3 KiB) does not fit in the idle engine's 2 KiB of room beside the
+    # prefixes reused there; group 12 (1 KiB) does, and is moved instead
+    view = _rebalance_view(150.0, 100.0)
+    view.groups["busy"] = [GroupLoad(11, 45.0, 5, 3072), GroupLoad(12, 30.0, 3, 1024)]
+    view.rooms["idle"] = 2048
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
+    assert [(m.group, m.dst) for m in moves] == [(12, "idle")]
+    view.rooms["idle"] = 1000  # room for neither: no move
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0) == ()
 
 
 def test_e2_moves_until_balanced() -> None:
