@@ -71,9 +71,11 @@ engine *when would this request's first token come out there, and what does it c
   GPU overlaps prefill with memory-bound decode, which kvgate's simulated engine does not model.
 * Rebalancing (Preble's; ``rebalance``, off): after each decision, once ``warmup_requests`` an
   engine have been routed on average, when the busiest engine's windowed load is
-  ``rebalance_ratio`` x the least busy's, move prefix groups off it (each only if its prefix
-  fits in the least busy engine's cache beside the prefixes reused there) and replicate a hot
-  prefix whose TTFT doubled. With the cost above, the queue moves work itself.
+  ``rebalance_ratio`` x the least busy's and that one is not slower (``SAME_SPEED``), move
+  prefix groups off it (each only if its prefix fits in the least busy engine's cache beside
+  the prefixes reused there) and replicate a hot prefix whose TTFT doubled. With the cost
+  above, the queue moves work itself; rebalancing suits small caches at light load, where the
+  cost is indifferent to where a cached prefix lives (docs/router.md).
 
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
 ``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
@@ -147,6 +149,7 @@ class E2Config:
             raise ValueError("e2: contenders must be >= 2")
 
 
+SAME_SPEED = 1.25  # rebalancing moves work only to an engine at most this much slower
 P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
 
 
@@ -342,6 +345,10 @@ class E2(PolicyBase):
         least, busiest = extremes
         hi, lo = busiest.window_ms, least.window_ms
         if hi <= 0.0 or hi < cfg.rebalance_ratio * lo:
+            return ()
+        if least.prefill_scale > SAME_SPEED * busiest.prefill_scale:
+            # a slower engine is less busy on purpose (its prefill costs more; the cost above
+            # sends it less): moving work there was measured -2.8 points in mixed fleets
             return ()
         moves: list[Move] = []
         for g in view.groups_on(busiest.engine_id, cfg.min_group_requests):

@@ -620,6 +620,16 @@ def test_e2_moves_only_a_group_that_fits_in_the_least_busy_engine_s_cache() -> N
     assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0) == ()
 
 
+def test_e2_rebalancing_moves_no_work_to_a_slower_engine() -> None:
+    # the least busy engine prefills 2x slower: e2 sends it less on purpose, and moving work
+    # there would only slow it down; one within SAME_SPEED of the busiest still takes it
+    view = _rebalance_view(150.0, 100.0)
+    view.engines[1] = replace(view.engines[1], prefill_scale=2.0)
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0) == ()
+    view.engines[1] = replace(view.engines[1], prefill_scale=1.2)
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
+
+
 def test_e2_moves_until_balanced() -> None:
     view = _rebalance_view(1000.0, 100.0)
     moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
