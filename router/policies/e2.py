@@ -374,7 +374,9 @@ class E2(PolicyBase):
             # group moved onto a full cache evicts them, and each is prefilled again (on three
             # vLLM engines of 64 KV blocks, moves without this check cost up to 0.06 of hit
             # rate); the ones reused less often may make way (their misses cost less)
-            if g.key_bytes > view.cache_room(least.engine_id, max(g.requests, 2)):
+            if g.key_bytes > view.cache_room(
+                least.engine_id, max(g.requests, cfg.min_group_requests)
+            ):
                 continue
             moves.append(Move(g.group, busiest.engine_id, least.engine_id))
             hi -= g.load_ms
