@@ -256,10 +256,7 @@ class View:
         overrides = self._cluster._overrides
 
         def listed(g: int, w: _GroupWork) -> bool:
-            if w.requests < min_requests or w.requests <= 0:
-                return False
-            o = overrides.get(g) if overrides else None
-            return o is None or o[0] == engine_id
+            return _lives_here(overrides, engine_id, g, w, min_requests)
 
         # the heaviest: usually known without reading the groups (a scan of 80 groups cost
         # ~30 us when they were out of the CPU's caches); rebalancing usually reads one
@@ -307,12 +304,11 @@ class View:
         if eng is None:
             return 0
         overrides = cl._overrides
-        hot = 0
-        for g, w in eng.groups.items():
-            if w.requests >= min_requests:
-                o = overrides.get(g) if overrides else None
-                if o is None or o[0] == engine_id:
-                    hot += w.key_bytes
+        hot = sum(
+            w.key_bytes
+            for g, w in eng.groups.items()
+            if _lives_here(overrides, engine_id, g, w, min_requests)
+        )
         return cl.capacity_bytes(eng) - hot
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
@@ -325,3 +321,18 @@ class View:
         if len(first) < 2 or len(second) < 2:
             return 0.0, 0.0
         return sum(first) / len(first), sum(second) / len(second)
+
+
+def _lives_here(
+    overrides: dict[int, tuple[str, float]],
+    engine_id: str,
+    g: int,
+    w: _GroupWork,
+    min_requests: int,
+) -> bool:
+    """Whether group ``g`` (its work ``w`` on ``engine_id``) has at least ``min_requests``
+    requests there in the window and was not rebalanced to another engine."""
+    if w.requests < min_requests or w.requests <= 0:
+        return False
+    o = overrides.get(g) if overrides else None
+    return o is None or o[0] == engine_id

@@ -45,7 +45,7 @@ class EngineView:
     hit_ratio: float  # cached share of the keys routed there recently (prefill/decode mix)
     free_bytes: int  # KV capacity not holding cached prefixes, in key bytes
     pending_prefill_tokens: int  # routed, not yet in the engine's reported queue
-    routed_total: int  # requests ever routed there (E2's warm-up)
+    routed_total: int  # requests ever routed there
     heartbeat: LoadHeartbeat | None = None
     queued_prefill_ms: float = 0.0  # prefill time of all queued there (own open + foreign)
     next_decode_step_ms: float = 0.0  # EstTPOT with one more request in the virtual batch

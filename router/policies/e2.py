@@ -170,6 +170,10 @@ class _Scored:
         work = est.own_work_ms * (gpu + est.behind + est.arrivals) + est.decode_harm
         self.cost = est.ttft_ms + work_weight * work
 
+    def overflow(self, key_len: int) -> int:
+        """Bytes of the key beyond what the engine holds and its free KV (> 0: it evicts)."""
+        return key_len - self.matched - self.ev.free_bytes
+
 
 class E2(PolicyBase):
     name: ClassVar[str] = "e2"
@@ -303,7 +307,7 @@ class E2(PolicyBase):
             if s.cost > best + cfg.tie_rel * best + cfg.tie_ms:
                 break
             if cfg.eviction_term:
-                need = ctx.key_len - s.matched - s.ev.free_bytes
+                need = s.overflow(ctx.key_len)
                 if need > 0:
                     s.eviction = view.eviction_ms(s.ev.engine_id, need, now)
                     s.cost += s.eviction
@@ -423,7 +427,7 @@ class _Traffic:
 
     def __call__(self, s: _Scored) -> tuple[bool, float, float, int]:
         ev = s.ev
-        if self.key_len - s.matched > ev.free_bytes:
+        if s.overflow(self.key_len) > 0:
             return (True, 0.0, ev.load_ms, ev.inflight)
         return (False, recent_rate(ev, self.now) * s.est.own_ms, ev.load_ms, ev.inflight)
 
