@@ -870,3 +870,63 @@ def test_routed_prefill_feeds_the_fleet_slo_mix() -> None:
     assert mix.share_sooner(500.0) == 0.0
     assert mix.share_sooner(5_000.0) == pytest.approx(0.5, rel=0.05)
     assert mix.share_sooner(60_000.0) == pytest.approx(1.0)
+
+
+route_op = st.tuples(
+    st.sampled_from(["route", "route", "route", "first", "finish", "cache", "hb"]),
+    st.integers(0, 5),  # prefix family (a key), or which open request / engine
+    st.integers(0, 40_000),  # bytes after the family's prefix
+    st.sampled_from([300.0, 2_000.0, 30_000.0]),  # TTFT SLO
+    st.floats(0.0, 0.5),  # seconds since the last op
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 10),
+    st.sampled_from([{}, {"contenders": 3}, {"idle_free": True}, {"work_weight": 0.0}]),
+    st.lists(route_op, min_size=1, max_size=40),
+)
+def test_e2_skipping_contenders_by_their_cost_bound_changes_no_decision(
+    n: int, options: dict, ops: list
+) -> None:
+    """E2 estimates only the contenders whose lower bound on the cost is within the tie band
+    of the cheapest found; the decisions (engine, reason, matched bytes) and the rng draws
+    equal those of estimating every contender, over random sequences of routes, first tokens,
+    finishes, cached blocks and heartbeats with queued work and small caches (the eviction
+    term priced)."""
+    fleets = [Fleet(n=n, options=options), Fleet(n=n, options={**options, "bound_skip": False})]
+    families = [bytes([65 + f]) * (1_000 * (f + 1)) for f in range(6)]
+    now = 1.0
+    open_ids: list[tuple[str, str]] = []
+    for i, (kind, which, tail, ttft, dt) in enumerate(ops):
+        now += dt
+        key = families[which] + bytes([i % 251]) * tail
+        engine = f"e{which % n}"
+        picks = []
+        for f in fleets:
+            if kind == "route":
+                d = f.route(f"r{i}", key, now, slo=Slo(ttft, 1000.0))
+                picks.append((d.engine_id, d.reason, d.matched_bytes, d.fallback))
+            elif kind == "cache":
+                f.cache(engine, key, now)
+            elif kind == "hb":  # queued work, and a cache from 3 to 260 KB, half of it used
+                blocks = tail // 10 + 50
+                f.heartbeat(
+                    engine,
+                    now,
+                    queued_prefill_tokens=tail,
+                    kv_blocks_total=blocks,
+                    kv_blocks_used=blocks // 2,
+                )
+            elif open_ids:
+                rid, eng = open_ids[which % len(open_ids)]
+                if kind == "first":
+                    f.send(eng, FirstToken(rid, 100.0), now)
+                else:
+                    f.send(eng, RequestFinished(rid, 10, 100.0, 20.0), now)
+        if picks:
+            assert picks[0] == picks[1], (i, picks)
+            if picks[0][0] is not None:
+                open_ids.append((f"r{i}", picks[0][0]))
+        assert fleets[0].router.rng.random() == fleets[1].router.rng.random()

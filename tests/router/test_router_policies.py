@@ -194,7 +194,26 @@ def test_e2_exploits_a_holder_whose_queue_is_short() -> None:
     assert (d.engine_id, d.reason, d.matched_bytes) == ("a", "exploit", 39_000)
     by_id = {c.engine_id: c for c in d.candidates}
     assert by_id["a"].prefill_ms == pytest.approx(p_ms(39_000))
-    assert by_id["c"].prefill_ms == pytest.approx(p_ms(0))
+    # c's whole prefill, twice (its TTFT and its work), is past a's cost: never estimated
+    assert "c" not in by_id
+    d = make_policy("e2", {"bound_skip": False}).choose(ctx(), view, 0.0)
+    assert d.engine_id == "a"
+    assert {c.engine_id: c for c in d.candidates}["c"].prefill_ms == pytest.approx(p_ms(0))
+
+
+def test_e2_bound_skip_prices_eviction_early_but_keeps_the_band_s_order() -> None:
+    """Scoring lowest bound first prices the eviction term of an engine the band would price
+    too; the band still orders its engines by their cost before it, so a tie between two
+    engines that both evict resolves through the rng exactly as when every engine is scored.
+    a: the cheaper before its eviction; b: 20-odd ms of foreign queue, no eviction cost."""
+    queued = next(n for n in range(10, 5_000, 10) if PROFILE.prefill_ms(n) > 20.0)
+    engines = [ev("a", free=0), ev("b", free=0, hb=_hb(queued=queued))]
+    for seed in range(16):
+        picks = []
+        for skip in (True, False):
+            view = FakeView(engines, evictions={"a": 60.0}, rng=random.Random(seed))
+            picks.append(make_policy("e2", {"bound_skip": skip}).choose(ctx(), view, 0.0).engine_id)
+        assert picks[0] == picks[1], seed
 
 
 def test_e2_explores_when_the_holders_queue_costs_more_than_prefilling_elsewhere() -> None:
