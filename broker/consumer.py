@@ -123,6 +123,9 @@ class Consumer:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._down = False
+        # when the broker last answered one of its reads (monotonic; None: not yet): proof it
+        # is up that a health ping timing out on a busy event loop does not outweigh
+        self.answered_at: float | None = None
         self._log_once = LogOnce(log)
         self._load_snapshot = getattr(sink, "load_snapshot", None)
 
@@ -211,6 +214,7 @@ class Consumer:
         except BadStream as exc:
             self._quarantine(exc.engine_ids)
             return 0
+        self.answered_at = time.monotonic()
         entries = 0
         gaps = False
         full = False
@@ -255,7 +259,7 @@ class Consumer:
         """Refresh the set of live engines and start following new ones."""
         self._live = set(await self.broker.engines())
         self._discovered = True
-        now = time.monotonic()
+        now = self.answered_at = time.monotonic()
         for engine_id, until in list(self._quarantined.items()):
             if now >= until:
                 del self._quarantined[engine_id]

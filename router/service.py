@@ -126,6 +126,11 @@ class EmbeddedRouter:
         out["ready"] = self.is_ready()
         out["broker"] = {
             "connected": self.consumer.connected,
+            "answered_s_ago": (
+                round(time.monotonic() - answered, 3)
+                if (answered := self.consumer.answered_at) is not None
+                else None
+            ),
             "caught_up": self.consumer.caught_up,
             "lag_s": round(s.lag_s, 6),
             "entries": s.entries,

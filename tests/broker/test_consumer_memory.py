@@ -263,3 +263,22 @@ async def test_a_snapshot_that_never_comes_holds_catch_up_back_only_until_its_ti
     assert await wait_until(lambda: consumer.caught_up, 3.0)
     assert consumer.cursors["ghost"].state is State.WAITING
     await consumer.close()
+
+
+async def test_answered_at_follows_the_broker_s_answers() -> None:
+    """The consumer records when the broker last answered it (the gateway's health check takes
+    that as proof the broker is up): set by the first look, moved on by later reads."""
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    consumer = Consumer(b, PlainSink(), **FAST)
+    assert consumer.answered_at is None
+    await consumer.poll_once(0)
+    first = consumer.answered_at
+    assert first is not None
+    rep.emit(BlockStored(None, (1,), (b"x" * 64,)))
+    assert await rep.flush()
+    await asyncio.sleep(0.01)
+    await consumer.poll_once(0)
+    assert consumer.answered_at is not None and consumer.answered_at > first
+    await rep.close()
