@@ -324,6 +324,7 @@ class ClusterState:
                 open_inv_tpot=sum(n / t for t, n in eng.open_tpots.items() if t > 0),
                 decode_inv_tpot=sum(n / t for t, n in eng.decode_tpots.items() if t > 0),
                 role=eng.role,
+                unannounced_bytes=max(eng.open_prefill_tokens, 0) * p.bytes_per_token,
             )
         return v
 

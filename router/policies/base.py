@@ -67,6 +67,9 @@ class EngineView:
     prefill_rate: float = 0.0  # ... and ms of prefill (their own, at its speed) per second
     rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
     role: str = "both"  # prefill, decode or both (broker.events.ROLES)
+    # the KV the prefills routed there and not done yet will write (in key bytes): not in
+    # ``free_bytes``, which counts the blocks the engine announced
+    unannounced_bytes: int = 0
 
     def __init__(
         self,
@@ -98,6 +101,7 @@ class EngineView:
         prefill_rate: float = 0.0,
         rate_t: float = 0.0,
         role: str = "both",
+        unannounced_bytes: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -127,6 +131,7 @@ class EngineView:
         self.prefill_rate = prefill_rate
         self.rate_t = rate_t
         self.role = role
+        self.unannounced_bytes = unannounced_bytes
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms

@@ -235,6 +235,22 @@ def test_outstanding_load_leaves_with_first_token_and_finish() -> None:
     assert view.window_ms > 0.0  # the window still remembers it (rebalancing's L)
 
 
+def test_prefills_routed_and_not_done_count_as_kv_about_to_be_written() -> None:
+    """Until its prefill is done (first token) a routed request's uncached tokens are KV the
+    engine will write but has not announced: the view says so (E2's tie-break counts it
+    against the engine's room)."""
+    f = Fleet(n=1)
+    cl = f.router.cluster
+    eng = cl.engines["e0"]
+    prof = eng.profile
+    assert cl.engine_view(eng).unannounced_bytes == 0
+    f.route("a", b"q" * 40_000, 1.0)
+    want = prof.prompt_tokens(10_000, 40_000) * prof.bytes_per_token
+    assert cl.engine_view(eng).unannounced_bytes == want
+    f.send("e0", FirstToken("a", 900.0), 2.0)
+    assert cl.engine_view(eng).unannounced_bytes == 0
+
+
 def test_e2_explore_follows_the_queue_not_window_history() -> None:
     """e0 served a lot in the last 3 minutes, all finished; e1 has one long request still
     queued. E2's cost (the request's predicted TTFT) sends new work to the idle e0, where

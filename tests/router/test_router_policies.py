@@ -388,6 +388,15 @@ def test_e2_ties_go_by_traffic_only_among_engines_with_room_for_the_key() -> Non
     # least outstanding work, whatever the traffic
     full = [replace(e, free_bytes=0) for e in engines]
     assert make_policy("e2").choose(short, FakeView(full), 0.0).engine_id == "a"
+    # b's free KV is about to be written by the prefills routed there and not done yet (their
+    # blocks are not announced): no room there either, and b's traffic no longer puts it first
+    # (counted as free, a burst of new prefixes all went to the engine that looked empty)
+    busy_b = [
+        engines[0],
+        replace(engines[1], unannounced_bytes=1 << 30),
+        replace(engines[2], free_bytes=399),
+    ]
+    assert make_policy("e2").choose(short, FakeView(busy_b), 0.0).engine_id == "a"
 
 
 def test_e2_eviction_term_prices_what_fitting_the_request_evicts() -> None:
