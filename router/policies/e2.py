@@ -52,11 +52,11 @@ engine *when would this request's first token come out there, and what does it c
   (predictions are not that precise); among them the one holding the most of the key wins
   (keeps a prefix's requests together), then, among the engines with room for the rest of the
   key (free KV, less what the prefills routed there will write), the least recent traffic for
-  its speed (the rest of the key lands there and later
-  requests sharing it follow: the traffic an engine has been taking predicts their queue better
-  than the work in flight now; ``spread_by_traffic``; on full caches it sent every new prefix
-  to the quietest engine, which thrashed), then the least outstanding work, then the injected
-  rng. Without a band, near-equal costs always went to the same engine.
+  its speed (the rest of the key lands there and later requests sharing it follow: the traffic
+  an engine has been taking predicts their queue better than the work in flight now;
+  ``spread_by_traffic``; on full caches it sent every new prefix to the quietest engine, which
+  thrashed), then the least outstanding work, then the injected rng. Without a band,
+  near-equal costs always went to the same engine.
 * SLO: an engine that cannot decode the request within its TPOT SLO even alone is skipped.
   When no engine is predicted to meet the TTFT SLO, the request still goes to the cheapest,
   unless even the best would miss by more than ``shed_factor`` x the SLO with nothing
@@ -289,11 +289,11 @@ class E2(PolicyBase):
         TTFT, and again as the work it adds for itself and the requests arriving meanwhile:
         ``P_i x (1 + w x (1 + rate_i x P_i / (1 - busy_i)))`` (queueing, overtakers, admission,
         the requests queued behind, decode, a busy decoder's share of the GPU and the eviction
-        term only add; ``busy_i`` at full share), so they are scored lowest bound
-        first, and the rest is skipped once a bound is past the band of the cheapest cost
-        found. Where the key is cached on few engines, the others' bound (a whole prefill) is
-        past the holders' cost and they are never estimated: the estimate is most of a
-        decision's time (docs/router.md). The skipped ones cannot be picked; they are scored
+        term only add; ``busy_i`` at full share), so they are scored lowest bound first, and the
+        rest is skipped once a bound is past the band of the cheapest cost found. Where the key
+        is cached on few engines, the others' bound (a whole prefill) is past the holders' cost
+        and they are never estimated: the estimate is the largest part of a decision
+        (docs/router.md). The skipped ones cannot be picked; they are scored
         only if no scored engine can meet the SLO (before shedding, :meth:`_score_all`)."""
         cfg = self.config
         if cfg.prefer_feasible or not cfg.bound_skip:
