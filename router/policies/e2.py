@@ -109,9 +109,9 @@ from router.policies.base import (
 )
 from router.policies.feasibility import (
     CONGESTED,
-    RATE_TAU_S,
     Estimate,
     estimate,
+    rate_decay,
     recent_rate,
     retry_after,
     shed,
@@ -313,7 +313,7 @@ class E2(PolicyBase):
             c = confirmed.get(eid, 0)
             if c < m:  # (the estimate may count only the confirmed part as cached)
                 own = min(own, prefill_cost_ms(ev, key_len, c, cache))
-            decay = math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+            decay = rate_decay(ev, now)
             busy = min(ev.prefill_rate * decay / 1000.0, CONGESTED)
             arrivals = ev.rate_per_s * decay * own / 1000.0 / (1.0 - busy)
             bounded.append((own * (1.0 + w * (gpu + arrivals)) * BOUND_SLACK, i, ev))

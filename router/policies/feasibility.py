@@ -178,10 +178,16 @@ class Estimate:
         return max(self.ttft_floor_ms - ttft_slo_ms, 0.0)
 
 
+def rate_decay(ev: EngineView, now: float) -> float:
+    """The factor ``ev``'s exponentially weighted rates (``rate_per_s``, ``prefill_rate``, as
+    of ``rate_t``) have decayed by at ``now`` (0: nothing routed there yet)."""
+    return math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+
+
 def recent_rate(ev: EngineView, now: float) -> float:
     """Requests per second routed to ``ev`` lately (its exponentially weighted rate, decayed
     to ``now``)."""
-    return ev.rate_per_s * math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+    return ev.rate_per_s * rate_decay(ev, now)
 
 
 def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
@@ -322,7 +328,7 @@ def estimate(
     # than its own minus t: over the wait (unstretched), the SLO half the wait shorter
     sooner = view.share_due_sooner(slo.ttft_ms - (queue + own) / share / 2.0)
     prof = ev.profile
-    decay = math.exp(-(now - ev.rate_t) / RATE_TAU_S) if ev.rate_per_s else 0.0
+    decay = rate_decay(ev, now)
     if ev.role == "prefill":
         # prefill/decode disaggregation (router.pd): the request decodes on a decode engine,
         # so it takes no place in this engine's batch; its first token waits for its KV to
