@@ -3,7 +3,7 @@ priority scheduling against kvgate's (``--scheduler-cls kvgate.vllm.SloScheduler
 
     .venv/bin/python -m bench.bench_vllm_sched --vllm-python /tmp/vllm-venv/bin/python \\
         --tokenizer-dir PATH/TO/vllm-cpu/tiny-llama [--rates 1,2,3] [--duration 30] \\
-        [--slo-scale 4] [--kvgate-option reject=true]
+        [--slo-scale 4] [--slo-per-speed] [--kvgate-option reject=true]
 
 Opt-in (needs vllm-cpu with kvgate installed in its environment, see ``docs/vllm.md``). For each
 scheduler in turn: two vllm-cpu engines, ``kvgate gateway`` in front of them (round robin, so
@@ -31,7 +31,10 @@ search (one of 4 instructions of 200 tokens + 500-1,200 retrieved tokens; 4,000/
 A request attains its SLO when it is served with TTFT and mean TPOT within its class's
 objectives (``bench.metrics``); goodput is attained requests per second. ``--slo-scale``
 multiplies every class's objectives: FlowPrefill's are a GPU's, and on this shared 2-core CPU even
-a lightly loaded engine misses the chat class's 250 ms often (see docs/BENCHMARKS.md). The
+a lightly loaded engine misses the chat class's 250 ms often (see docs/BENCHMARKS.md).
+``--slo-per-speed`` multiplies them again by how much slower than the cost profile the engines
+answer lone prompts here (:func:`measure_slowdown`, probed once before the first rate), so that
+the SLOs ask the same of the engines on a fast machine and on a slow one. The
 engines import kvgate from this checkout (``PYTHONPATH``), ahead of any copy in vLLM's
 environment. Saves
 ``results/vllm_sched.json`` and a plot ``results/vllm_sched.png``.
@@ -45,10 +48,12 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +62,7 @@ from bench.procs import HTTP_ERRORS, LOOPBACK, free_port, http, wait_http
 from bench.replay import ReplayConfig, replay
 from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf, arrivals, lognormal_int
+from kvgate.cost_model import CostProfile, load_profile
 from kvgate.slo import SLO_CLASSES, Slo
 from kvgate.stats import percentile
 from router.options import json_values
@@ -301,6 +307,49 @@ def idle(urls: list[str], timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
+# ----------------------------------------------------------------------------- calibration
+
+PROBE_TOKENS = (250, 1000, 2000)  # prompt sizes of the speed probe (chat to file)
+PROBE_REPS = 3
+VOCAB_IDS = (10, 1000)  # token ids the probe's random prompts draw from (small-llama: 1,024)
+
+
+def probe_once(url: str, tokens: int, rng: random.Random) -> float:
+    """Seconds one lone prompt of ``tokens`` random token ids takes to its single output token
+    on the engine at ``url`` (unique ids: no prefix-cache hit)."""
+    prompt = [rng.randint(*VOCAB_IDS) for _ in range(tokens)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    status, text = http("POST", f"{url}/v1/completions", body, timeout=120)
+    if status != 200:
+        raise RuntimeError(f"speed probe: {url} answered {status}: {text[:200]!r}")
+    return time.perf_counter() - t0
+
+
+def measure_slowdown(urls: list[str], profile: CostProfile, seed: int = 0) -> dict:
+    """How much slower than ``profile`` these engines answer a lone prompt, all of them at once
+    (as the benchmark runs them side by side on this machine): the median of measured / planned
+    over :data:`PROBE_TOKENS` x :data:`PROBE_REPS` prompts per engine. The profile was fit on
+    one engine alone on a quiet machine; the same engines ran 1.7x to 3.9x slower than it on the
+    machines of later sessions, which moves what a fixed SLO asks of them (docs/BENCHMARKS.md)."""
+    rng = random.Random(f"probe:{seed}")
+    ratios: list[float] = []
+    probe_once(urls[0], 32, rng)  # warm-up: the first request of a fresh engine is slower
+    for tokens in PROBE_TOKENS:
+        for _ in range(PROBE_REPS):
+            rngs = [random.Random(rng.random()) for _ in urls]
+            with ThreadPoolExecutor(len(urls)) as pool:
+                took = list(pool.map(probe_once, urls, [tokens] * len(urls), rngs))
+            planned_s = profile.prefill_ms(tokens) / 1000.0
+            ratios.extend(t / planned_s for t in took)
+    ratios.sort()
+    return {
+        "slowdown": round(statistics.median(ratios), 3),
+        "ratios": [round(r, 3) for r in ratios],
+        "prompt_tokens": list(PROBE_TOKENS),
+    }
+
+
 # ----------------------------------------------------------------------------- one run
 
 
@@ -434,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-scale", type=float, default=1.0,
                     help="multiply every class's TTFT and TPOT SLO (1: FlowPrefill's)")  # fmt: skip
+    ap.add_argument("--slo-per-speed", action="store_true",
+                    help="also multiply the SLOs by how much slower than the cost profile the "
+                    "engines answer lone prompts, probed once before the first rate: the SLOs "
+                    "then ask as much of the engines on any machine")  # fmt: skip
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--kvgate-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a plug-in option for the kvgate runs (kvgate.vllm.options), e.g. "
@@ -458,12 +511,21 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {}
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     t0 = time.monotonic()
+    slo_scale, speed = args.slo_scale, None
     for name in schedulers:
         opts = kvgate_options if name == "kvgate" else None
         with fleet(name, args.vllm_python, model, args.redis, args.logs, opts) as f:
+            if args.slo_per_speed and speed is None:
+                speed = measure_slowdown(f.urls, load_profile(PROFILE), args.seed)
+                slo_scale = round(args.slo_scale * speed["slowdown"], 2)
+                print(
+                    f"engines {speed['slowdown']:g}x slower than {PROFILE} on lone prompts: "
+                    f"SLOs x{slo_scale:g}",
+                    file=sys.stderr,
+                )
             runs = []
             for rate in rates:
-                run = run_rate(f, rate, args.duration, args.seed, args.slo_scale)
+                run = run_rate(f, rate, args.duration, args.seed, slo_scale)
                 runs.append(run)
                 c = run["by_class"]
                 print(
@@ -492,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         "engines": 2,
         "duration_s": args.duration,
         "seed": args.seed,
-        "slo_scale": args.slo_scale,
+        "slo_scale": slo_scale,
+        "slo_scale_asked": args.slo_scale,
+        "speed_probe": speed,
         "profile": PROFILE,
         "kvgate_options": kvgate_options,
         "runs": merged,
