@@ -372,6 +372,32 @@ def per_class(records: list, slo_scale: float) -> dict[str, dict]:
     return out
 
 
+MISSED_KEPT = 200  # requests that missed their SLO kept in a run's result, worst TPOT first
+
+
+def missed(records: list) -> list[dict]:
+    """The requests that missed their SLO, and by how much (worst TPOT first): a class's p99
+    over a few dozen requests is its worst one or two, and this says which and why."""
+    out = [
+        {
+            "id": r.request_id,
+            "kind": r.kind,
+            "arrival_s": round(r.arrival, 3),
+            "input_tokens": r.input_tokens,
+            "output_tokens": r.completion_tokens,
+            "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1000.0, 1),
+            "tpot_ms": None if r.tpot_s is None else round(r.tpot_s * 1000.0, 1),
+            "ttft_slo_ms": r.slo_ttft_ms,
+            "tpot_slo_ms": r.slo_tpot_ms,
+            "error": r.error,
+        }
+        for r in records
+        if not r.slo_met
+    ]
+    out.sort(key=lambda m: -(m["tpot_ms"] or 0.0))
+    return out[:MISSED_KEPT]
+
+
 def run_rate(f: Fleet, rate: float, duration: float, seed: int, slo_scale: float) -> dict:
     idle(f.urls)
     for u in f.urls:
@@ -402,6 +428,7 @@ def run_rate(f: Fleet, rate: float, duration: float, seed: int, slo_scale: float
         "ttft_ms": s["ttft_ms"],
         "tpot_ms": s["tpot_ms"],
         "by_class": per_class(res.records, slo_scale),
+        "missed": missed(res.records),
         "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "error_samples": sorted({r.error or str(r.status) for r in res.records if not r.ok})[:5],
     }

@@ -22,3 +22,18 @@ def test_kvgate_options_reach_only_the_kvgate_engines() -> None:
     cfg = json.loads(args[args.index("--additional-config") + 1])["kvgate"]
     assert cfg["reject"] is True and cfg["engine_id"] == "e0"
     assert engine_args("fcfs", 8000, "e0", "redis://r", "p:", {"reject": True}) == []
+
+
+def test_a_run_keeps_the_requests_that_missed_their_slo_worst_tpot_first() -> None:
+    from bench.bench_vllm_sched import missed
+    from bench.metrics import STATUS_OK, RequestRecord
+
+    def rec(rid: str, ttft_s: float, tpot_s: float) -> RequestRecord:
+        return RequestRecord(rid, "image", 0.0, 400, 50, 2000.0, 400.0, status=STATUS_OK,
+                             ttft_s=ttft_s, tpot_s=tpot_s, completion_tokens=50)  # fmt: skip
+
+    records = [rec("fine", 1.0, 0.2), rec("late", 3.0, 0.2), rec("slow", 1.0, 0.9),
+               rec("slower", 1.0, 1.5)]  # fmt: skip
+    out = missed(records)
+    assert [m["id"] for m in out] == ["slower", "slow", "late"]
+    assert out[0]["tpot_ms"] == 1500.0 and out[0]["tpot_slo_ms"] == 400.0
