@@ -335,13 +335,13 @@ def measure_slowdown(urls: list[str], profile: CostProfile, seed: int = 0) -> di
     rng = random.Random(f"probe:{seed}")
     ratios: list[float] = []
     probe_once(urls[0], 32, rng)  # warm-up: the first request of a fresh engine is slower
-    for tokens in PROBE_TOKENS:
-        for _ in range(PROBE_REPS):
-            rngs = [random.Random(rng.random()) for _ in urls]
-            with ThreadPoolExecutor(len(urls)) as pool:
-                took = list(pool.map(probe_once, urls, [tokens] * len(urls), rngs))
+    with ThreadPoolExecutor(len(urls)) as pool:
+        for tokens in PROBE_TOKENS:
             planned_s = profile.prefill_ms(tokens) / 1000.0
-            ratios.extend(t / planned_s for t in took)
+            for _ in range(PROBE_REPS):
+                rngs = [random.Random(rng.random()) for _ in urls]
+                took = pool.map(probe_once, urls, [tokens] * len(urls), rngs)
+                ratios.extend(t / planned_s for t in took)
     ratios.sort()
     return {
         "slowdown": round(statistics.median(ratios), 3),
