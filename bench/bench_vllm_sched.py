@@ -387,6 +387,8 @@ def missed(records: list) -> list[dict]:
             "output_tokens": r.completion_tokens,
             "ttft_ms": None if r.ttft_s is None else round(r.ttft_s * 1000.0, 1),
             "tpot_ms": None if r.tpot_s is None else round(r.tpot_s * 1000.0, 1),
+            "max_gap_ms": None if r.max_gap_s is None else round(r.max_gap_s * 1000.0, 1),
+            "engine": r.engine,
             "ttft_slo_ms": r.slo_ttft_ms,
             "tpot_slo_ms": r.slo_tpot_ms,
             "error": r.error,

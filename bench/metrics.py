@@ -44,6 +44,7 @@ class RequestRecord:
     engine: str | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
+    max_gap_s: float | None = None  # longest wait between two streamed chunks (a stall or not)
     e2e_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

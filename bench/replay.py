@@ -178,6 +178,10 @@ async def send_one(
                     now = clock()
                     if first is None:
                         first = now
+                    elif last is not None:
+                        gap = now - last
+                        if rec.max_gap_s is None or gap > rec.max_gap_s:
+                            rec.max_gap_s = gap
                     last = now
                     chunks += 1
                 _apply_usage(rec, chunk.get("usage"))

@@ -144,6 +144,8 @@ class BookStats:
     step_exec_ms: int = 0
     step_planned_ms: int = 0
     steps_over_plan: int = 0  # steps that took over 1.5x their plan (and 5 ms more)
+    slow_steps: int = 0  # steps of a second or more at over 3x their plan (the shell logs them)
+    schedule_ms: int = 0  # time in the scheduler's schedule() (kvgate's plan and vLLM's own)
     speed_permille: int = 1000  # the fitted speed factor (fit_speed), x1000
     overhead_us: int = 0  # the fitted per-step overhead (fit_speed), in us
 
@@ -601,11 +603,12 @@ class VllmBook(SchedBook):
             ms += prof.prefill_ms(self._step_prefill, unit.pieces[0][2])
         return ms
 
-    def step_executed(self, ms: float) -> None:
+    def step_executed(self, ms: float) -> float:
         """The last order ran on the model for ``ms``: the figures routers fit speed from
         (prefill: the steps that prefilled a request, with their prefill tokens, for its
         FirstToken; decode: steps that only decoded, for the heartbeat), and the step's time
-        against its plan (``BookStats.step_exec_ms`` / ``step_planned_ms``)."""
+        against its plan (``BookStats.step_exec_ms`` / ``step_planned_ms``). Returns the plan
+        (ms on the current profile)."""
         stats = self.stats
         planned, base_ms = self._step_planned_ms, self._step_base_ms
         self._step_planned_ms = self._step_base_ms = 0.0
@@ -627,6 +630,7 @@ class VllmBook(SchedBook):
         self._step_prefill = 0
         self._step_prefill_ids = []
         self._step_decode = []
+        return planned
 
     # ------------------------------------------------------------------ SchedView (policy)
 

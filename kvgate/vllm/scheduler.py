@@ -52,6 +52,10 @@ from kvgate.vllm.options import PluginOptions, parse_options
 
 log = logging.getLogger("vllm.kvgate")  # vLLM configures its "vllm" loggers: ours show up
 WARN_EVERY_S = 60.0  # a repeated warning is logged once in this long
+# a step this long, and this far over the cost profile's plan for it, is logged with what it
+# ran (at most one a second): a stall every decoding request's TPOT pays for
+SLOW_STEP_MS = 1000.0
+SLOW_STEP_FACTOR = 3.0
 
 
 class SloScheduler(Scheduler):
@@ -95,6 +99,8 @@ class SloScheduler(Scheduler):
         self._hb_at = 0.0
         self._stats_at = time.monotonic()
         self._log_once = LogOnce(log, every_s=WARN_EVERY_S)
+        self._log_slow = LogOnce(log, every_s=1.0)
+        self._step_shape = ""  # what the step running now was ordered to do (for the slow log)
         self._token_bytes: Any = None
         self._reporter: Any = None
         self._url = options.url or ""
@@ -182,6 +188,16 @@ class SloScheduler(Scheduler):
     # ------------------------------------------------------------------ one step
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        t0 = time.monotonic()
+        try:
+            return self._schedule(throttle_prefills)
+        finally:
+            ms = (time.monotonic() - t0) * 1000.0
+            self._book.stats.schedule_ms += round(ms)
+            if ms >= SLOW_STEP_MS:
+                self._log_slow.warning("slow-schedule", "kvgate: scheduling took %.0f ms", ms)
+
+    def _schedule(self, throttle_prefills: bool) -> SchedulerOutput:
         now = time.time()
         try:
             order = self._book.plan(now, self._capacity())
@@ -204,6 +220,12 @@ class SloScheduler(Scheduler):
         except Exception:
             log.exception("kvgate: could not fold in vLLM's step")
         self._step_t0 = time.monotonic() if out.total_num_scheduled_tokens else None
+        self._step_shape = (
+            f"{len(order.decode)} decodes, {sum(n for _, n in order.prefill)} prefill tokens "
+            f"ordered, {len(order.resume)} resumed; vLLM scheduled "
+            f"{out.total_num_scheduled_tokens} tokens for {len(scheduled)} requests "
+            f"({len(self.running)} running, {len(self.waiting)} waiting)"
+        )
         self._publish(now)
         return out
 
@@ -279,7 +301,16 @@ class SloScheduler(Scheduler):
         now = time.time()
         try:
             if exec_ms is not None:
-                self._book.step_executed(exec_ms)
+                planned = self._book.step_executed(exec_ms)
+                if exec_ms >= SLOW_STEP_MS and exec_ms > SLOW_STEP_FACTOR * planned:
+                    self._book.stats.slow_steps += 1
+                    self._log_slow.warning(
+                        "slow-step",
+                        "kvgate: a step took %.0f ms against %.0f ms planned: %s",
+                        exec_ms,
+                        planned,
+                        self._step_shape,
+                    )
             for eco in outputs.values():
                 for o in eco.outputs:
                     if o.new_token_ids:

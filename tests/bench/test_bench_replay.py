@@ -16,6 +16,7 @@ from kvgate.slo import Slo
 
 FIRST_DELAY = 0.05
 TOKEN_GAP = 0.01
+STALL = 0.1  # the last gap of each stream
 N_TOKENS = 5
 
 
@@ -61,8 +62,8 @@ def _app(seen: list[dict], release: asyncio.Event | None = None) -> web.Applicat
         if chat:  # a role-only chunk first, as vLLM sends: not a token
             await resp.write(b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n')
         for i in range(N_TOKENS):
-            if i:
-                await asyncio.sleep(TOKEN_GAP)
+            if i:  # the last gap is a stall, which the record's max_gap_s shows
+                await asyncio.sleep(STALL if i == N_TOKENS - 1 else TOKEN_GAP)
             choice = {"delta": {"content": f"t{i} "}} if chat else {"text": f"t{i} "}
             await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
         usage = {
@@ -94,6 +95,7 @@ async def test_replay_records_ttft_tpot_usage_status_and_engine(tmp_path: Path) 
         assert rec.status == 200 and rec.ok, rec.error
         assert FIRST_DELAY <= rec.ttft_s < 5
         assert rec.tpot_s >= TOKEN_GAP * 0.9
+        assert rec.max_gap_s >= STALL * 0.9 and rec.max_gap_s > rec.tpot_s
         assert rec.e2e_s >= rec.ttft_s + (N_TOKENS - 1) * TOKEN_GAP * 0.9
         assert rec.completion_tokens == N_TOKENS and rec.cached_tokens == 64
         assert rec.engine == "e7" and rec.reason == "explore"

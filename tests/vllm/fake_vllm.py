@@ -52,6 +52,7 @@ class FakeVllm:
         self.refuse: set[str] = set()  # requests vLLM will not start (e.g. a grammar compiling)
         self.orders: list[StepOrder] = []
         self.steps: list[dict[str, int]] = []
+        self.last_planned_ms = 0.0  # the book's plan for the last step (ms)
         self.first_token_at: dict[str, float] = {}
 
     def add(
@@ -132,7 +133,7 @@ class FakeVllm:
             now,
         )
         self.steps.append(tokens)
-        self.book.step_executed(exec_ms)
+        self.last_planned_ms = self.book.step_executed(exec_ms)
         end = now + exec_ms / 1000.0
         for rid in tokens:
             r = self.reqs[rid]

@@ -369,6 +369,7 @@ def test_steps_are_timed_against_the_profiles_plan_for_them() -> None:
     f = FakeVllm(b)
     f.add("r", 100, slo=RELAXED, now=0.0, max_tokens=3)
     f.step(0.0, exec_ms=90.0)  # the whole prefill, a bit faster than planned
+    assert f.last_planned_ms == pytest.approx(100.0)
     assert (b.stats.step_exec_ms, b.stats.step_planned_ms) == (90, 100)
     assert b.stats.steps_over_plan == 0
     f.step(0.1, exec_ms=40.0)  # one decode step (1 x 1 + 10 = 11 ms planned): far over
