@@ -75,19 +75,21 @@ MODEL = "tiny"
 PROFILE = "vllm-cpu-small"
 BYTES_PER_TOKEN = 1.05  # the tiny tokenizer on the workload's random text (measured)
 SCHEDULERS = ("fcfs", "priority", "kvgate")
+DEFAULT_LAYERS = 4  # small-llama's layers (13.6M parameters; --layers)
 
 # small-llama: the tiny model's tokenizer with bigger random weights (see the module docstring)
 MAKE_MODEL = """
 import os, shutil, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-src, out = sys.argv[1], sys.argv[2]
+src, out, layers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 os.makedirs(out, exist_ok=True)
 for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
           "generation_config.json"):
     if os.path.exists(os.path.join(src, f)):
         shutil.copy(os.path.join(src, f), out)
-cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536,
+                  num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                  max_position_embeddings=4096,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
                   torch_dtype="float32")
 torch.manual_seed(0)
@@ -174,12 +176,29 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(10)
 
 
-def ensure_model(vllm_python: str, tokenizer_dir: Path, model_dir: Path) -> Path:
+def small_llama_params(layers: int) -> int:
+    """small-llama's weights (MAKE_MODEL: untied embeddings, 4 of 8 heads for keys and values)."""
+    hidden, inter, vocab = 512, 1536, 1024
+    per_layer = 2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter + 2 * hidden
+    return 2 * vocab * hidden + layers * per_layer + hidden
+
+
+def model_dir_for(layers: int) -> Path:
+    """Where the benchmark keeps small-llama with ``layers`` layers."""
+    suffix = "" if layers == DEFAULT_LAYERS else f"-{layers}l"
+    return Path(f"/tmp/kvgate-small-llama{suffix}")
+
+
+def ensure_model(
+    vllm_python: str, tokenizer_dir: Path, model_dir: Path, layers: int = DEFAULT_LAYERS
+) -> Path:
     if (model_dir / "model.safetensors").exists():
         return model_dir
-    print(f"building {model_dir} from {tokenizer_dir}'s tokenizer", file=sys.stderr)
+    print(
+        f"building {model_dir} ({layers} layers) from {tokenizer_dir}'s tokenizer", file=sys.stderr
+    )
     subprocess.run(
-        [vllm_python, "-c", MAKE_MODEL, str(tokenizer_dir), str(model_dir)],
+        [vllm_python, "-c", MAKE_MODEL, str(tokenizer_dir), str(model_dir), str(layers)],
         check=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
         stdout=subprocess.DEVNULL,
@@ -206,16 +225,16 @@ def engine_args(
         return []
     if scheduler == "priority":
         return ["--scheduling-policy", "priority"]
-    cfg = {
-        "kvgate": {
-            "profile": PROFILE,
-            "broker": redis,
-            "broker_prefix": prefix,
-            "url": f"http://{LOOPBACK}:{port}",
-            "engine_id": engine_id,
-            **(kvgate_options or {}),
-        }
+    options = {
+        "profile": PROFILE,
+        "broker": redis,
+        "broker_prefix": prefix,
+        "url": f"http://{LOOPBACK}:{port}",
+        "engine_id": engine_id,
+        **(kvgate_options or {}),
     }
+    # KEY=null drops the benchmark's own setting (broker=null: no reporting)
+    cfg = {"kvgate": {k: v for k, v in options.items() if v is not None}}
     return ["--scheduler-cls", "kvgate.vllm.SloScheduler", "--additional-config", json.dumps(cfg)]
 
 
@@ -505,7 +524,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=os.environ.get("KVGATE_VLLM_PYTHON"))
     ap.add_argument("--tokenizer-dir", type=Path, required=True, help="the vllm-cpu tiny model")
-    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/kvgate-small-llama"))
+    ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                    help="small-llama's layers: more make every token cost more, so that the "
+                    "engines, not the processes around them on a small machine, saturate "
+                    "first")  # fmt: skip
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="where small-llama is built and kept (default /tmp/kvgate-small-llama, "
+                    "-Nl appended for other --layers)")  # fmt: skip
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS))
     ap.add_argument("--rates", default="2,3,4,5,6", help="offered req/s over both engines")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
@@ -519,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--kvgate-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a plug-in option for the kvgate runs (kvgate.vllm.options), e.g. "
-                    "reject=true; repeatable")  # fmt: skip
+                    "reject=true; KEY=null drops the benchmark's own setting (broker=null: no "
+                    "reporting to the broker); repeatable")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--plot", type=Path, default=PLOT)
     ap.add_argument("--logs", type=Path, default=Path("results/tmp/vllm_sched_logs"))
@@ -536,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     args.logs.mkdir(parents=True, exist_ok=True)
-    model = ensure_model(args.vllm_python, args.tokenizer_dir, args.model_dir)
+    if args.layers < 1:
+        ap.error("--layers must be >= 1")
+    model_dir = args.model_dir or model_dir_for(args.layers)
+    model = ensure_model(args.vllm_python, args.tokenizer_dir, model_dir, args.layers)
     results: dict[str, list[dict]] = {}
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     t0 = time.monotonic()
@@ -579,7 +608,10 @@ def main(argv: list[str] | None = None) -> int:
             k["goodput_vs_fcfs"] = round(k["goodput_rps"] / base["goodput_rps"], 2)
     out = {
         "kind": "vllm_sched",
-        "model": "small-llama (tiny-llama tokenizer, hidden 512, 4 layers, 13.6M parameters)",
+        "model": (
+            f"small-llama (tiny-llama tokenizer, hidden 512, {args.layers} layers, "
+            f"{small_llama_params(args.layers) / 1e6:.1f}M parameters)"
+        ),
         "engines": 2,
         "duration_s": args.duration,
         "seed": args.seed,

@@ -24,6 +24,30 @@ def test_kvgate_options_reach_only_the_kvgate_engines() -> None:
     assert engine_args("fcfs", 8000, "e0", "redis://r", "p:", {"reject": True}) == []
 
 
+def test_a_null_option_drops_the_benchmarks_own_setting() -> None:
+    """``--kvgate-option broker=null`` runs the plug-in without reporting (the benchmark sets
+    a broker otherwise): the key is left out, not passed as null, which the plug-in refuses."""
+    opts = parse_kvgate_options(["broker=null", "reject=true"])
+    args = engine_args("kvgate", 8000, "e0", "redis://r", "p:", opts)
+    cfg = json.loads(args[args.index("--additional-config") + 1])["kvgate"]
+    assert "broker" not in cfg and cfg["reject"] is True and cfg["engine_id"] == "e0"
+    with_broker = engine_args("kvgate", 8000, "e0", "redis://r", "p:", {})
+    assert json.loads(with_broker[-1])["kvgate"]["broker"] == "redis://r"
+
+
+def test_small_llama_grows_with_its_layers() -> None:
+    """``--layers``: the 4-layer model keeps its folder and size; another count gets its own
+    folder (a model built once is reused by its path) and about 3.15M weights a layer more."""
+    from pathlib import Path
+
+    from bench.bench_vllm_sched import model_dir_for, small_llama_params
+
+    assert small_llama_params(4) == 13_636_096  # the figure docs/BENCHMARKS.md gives (13.6M)
+    assert small_llama_params(12) - small_llama_params(4) == 8 * 3_146_752
+    assert model_dir_for(4) == Path("/tmp/kvgate-small-llama")
+    assert model_dir_for(12) == Path("/tmp/kvgate-small-llama-12l")
+
+
 def test_a_run_keeps_the_requests_that_missed_their_slo_worst_tpot_first() -> None:
     from bench.bench_vllm_sched import missed
     from bench.metrics import STATUS_OK, RequestRecord

@@ -116,6 +116,27 @@ def test_max_step_ms_bounds_a_lone_prefill_so_an_arrival_waits_one_short_step() 
     assert uncapped.step(0.0).prefill == (("long", 6000),)
 
 
+def test_a_batch_member_decodes_once_its_own_prompt_is_in() -> None:
+    """SLO-aware batching puts a short prompt and a long one in one unit, run in steps of
+    ``max_step_ms``. vLLM streams the short one's first token the step its prompt is in; from
+    the next step it decodes, also while the long one's rest is paused for an urgent arrival
+    (held until the whole unit was in, it sat out every step: live gaps of 19 to 47 s)."""
+    b = VllmBook(PROFILE, SchedulerConfig(), max_step_ms=300.0)
+    fake = FakeVllm(b)
+    fake.add("short", 100, slo=Slo(5_000.0, 1_000.0), now=0.0, max_tokens=20)
+    fake.add("long", 1000, slo=RELAXED, now=0.0)
+    first = fake.step(0.0)
+    assert first.prefill == (("short", 100), ("long", 200))  # one unit, the short one first
+    assert "short" in fake.first_token_at and b.phase_of("short") is Phase.DECODING
+    second = fake.step(0.3)
+    assert second.decode == ("short",) and second.prefill == (("long", 300),)
+    fake.add("urgent", 200, slo=URGENT, now=0.5)
+    third = fake.step(0.6)
+    assert third.prefill[0] == ("urgent", 200) and b.phase_of("long") is Phase.PREEMPTED
+    assert third.decode == ("short",)  # it decodes while the rest of its unit is paused
+    assert fake.reqs["short"].outputs == 3
+
+
 def test_a_unit_member_starts_in_the_step_that_gives_it_tokens() -> None:
     """SLO-aware batching admits two prompts as one unit; ``max_step_ms`` gives the first step
     only the first one's tokens, so only it starts; the second starts with its own tokens (no
