@@ -100,7 +100,8 @@ class SloScheduler(Scheduler):
         self._stats_at = time.monotonic()
         self._log_once = LogOnce(log, every_s=WARN_EVERY_S)
         self._log_slow = LogOnce(log, every_s=1.0)
-        self._step_shape = ""  # what the step running now was ordered to do (for the slow log)
+        # what the step running now was ordered and given (the slow-step log formats it)
+        self._step_shape: tuple[int, ...] = ()
         self._token_bytes: Any = None
         self._reporter: Any = None
         self._url = options.url or ""
@@ -221,10 +222,13 @@ class SloScheduler(Scheduler):
             log.exception("kvgate: could not fold in vLLM's step")
         self._step_t0 = time.monotonic() if out.total_num_scheduled_tokens else None
         self._step_shape = (
-            f"{len(order.decode)} decodes, {sum(n for _, n in order.prefill)} prefill tokens "
-            f"ordered, {len(order.resume)} resumed; vLLM scheduled "
-            f"{out.total_num_scheduled_tokens} tokens for {len(scheduled)} requests "
-            f"({len(self.running)} running, {len(self.waiting)} waiting)"
+            len(order.decode),
+            sum(n for _, n in order.prefill),
+            len(order.resume),
+            out.total_num_scheduled_tokens,
+            len(scheduled),
+            len(self.running),
+            len(self.waiting),
         )
         self._publish(now)
         return out
@@ -302,14 +306,17 @@ class SloScheduler(Scheduler):
         try:
             if exec_ms is not None:
                 planned = self._book.step_executed(exec_ms)
-                if exec_ms >= SLOW_STEP_MS and exec_ms > SLOW_STEP_FACTOR * planned:
+                slow = exec_ms >= SLOW_STEP_MS and exec_ms > SLOW_STEP_FACTOR * planned
+                if slow and self._step_shape:
                     self._book.stats.slow_steps += 1
                     self._log_slow.warning(
                         "slow-step",
-                        "kvgate: a step took %.0f ms against %.0f ms planned: %s",
+                        "kvgate: a step took %.0f ms against %.0f ms planned: %d decodes, %d "
+                        "prefill tokens ordered, %d resumed; vLLM scheduled %d tokens for %d "
+                        "requests (%d running, %d waiting)",
                         exec_ms,
                         planned,
-                        self._step_shape,
+                        *self._step_shape,
                     )
             for eco in outputs.values():
                 for o in eco.outputs:
