@@ -79,18 +79,20 @@ PROFILE = "vllm-cpu-small"
 BYTES_PER_TOKEN = 1.05  # the tiny tokenizer on the workload's random text (measured)
 SCHEDULERS = ("fcfs", "priority", "kvgate")
 DEFAULT_LAYERS = 4  # small-llama's layers (13.6M parameters; --layers)
+HIDDEN, INTERMEDIATE, VOCAB = 512, 1536, 1024  # small-llama's shape (MAKE_MODEL's arguments)
 
 # small-llama: the tiny model's tokenizer with bigger random weights (see the module docstring)
 MAKE_MODEL = """
 import os, shutil, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-src, out, layers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src, out = sys.argv[1], sys.argv[2]
+layers, hidden, intermediate, vocab = map(int, sys.argv[3:7])
 os.makedirs(out, exist_ok=True)
 for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
           "generation_config.json"):
     if os.path.exists(os.path.join(src, f)):
         shutil.copy(os.path.join(src, f), out)
-cfg = LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536,
+cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
                   max_position_embeddings=4096,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
@@ -181,9 +183,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def small_llama_params(layers: int) -> int:
     """small-llama's weights (MAKE_MODEL: untied embeddings, 4 of 8 heads for keys and values)."""
-    hidden, inter, vocab = 512, 1536, 1024
-    per_layer = 2 * hidden * hidden + 2 * hidden * hidden // 2 + 3 * hidden * inter + 2 * hidden
-    return 2 * vocab * hidden + layers * per_layer + hidden
+    h = HIDDEN
+    per_layer = 2 * h * h + 2 * h * h // 2 + 3 * h * INTERMEDIATE + 2 * h
+    return 2 * VOCAB * h + layers * per_layer + h
 
 
 def model_dir_for(layers: int) -> Path:
@@ -200,8 +202,9 @@ def ensure_model(
     print(
         f"building {model_dir} ({layers} layers) from {tokenizer_dir}'s tokenizer", file=sys.stderr
     )
+    shape = [str(n) for n in (layers, HIDDEN, INTERMEDIATE, VOCAB)]
     subprocess.run(
-        [vllm_python, "-c", MAKE_MODEL, str(tokenizer_dir), str(model_dir), str(layers)],
+        [vllm_python, "-c", MAKE_MODEL, str(tokenizer_dir), str(model_dir), *shape],
         check=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
         stdout=subprocess.DEVNULL,

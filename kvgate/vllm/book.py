@@ -67,8 +67,20 @@ FIT_ALPHA = 1.0 / FIT_EVERY  # weight of one step in the running least squares o
 FIT_TOLERANCE = 1.1  # refit when the steps run more than this off their plan (either way)
 FIT_SPREAD = 0.1  # plans this varied (std / mean) or more also fit a per-step overhead
 MIN_SPEED, MAX_SPEED = 0.25, 8.0
+# a step this long, and this far over the profile's plan for it, is a stall every decoding
+# request's TPOT pays for: counted (``BookStats.slow_steps``) and logged by the shell
+SLOW_STEP_MS = 1000.0
+SLOW_STEP_FACTOR = 3.0
 
-__all__ = ["Arrival", "BookStats", "Capacity", "StepOrder", "StepResult", "VllmBook"]
+__all__ = [
+    "Arrival",
+    "BookStats",
+    "Capacity",
+    "StepOrder",
+    "StepResult",
+    "VllmBook",
+    "is_slow_step",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +156,7 @@ class BookStats:
     step_exec_ms: int = 0
     step_planned_ms: int = 0
     steps_over_plan: int = 0  # steps that took over 1.5x their plan (and 5 ms more)
-    slow_steps: int = 0  # steps of a second or more at over 3x their plan (the shell logs them)
+    slow_steps: int = 0  # is_slow_step: a second or more at over 3x the plan (the shell logs them)
     schedule_ms: int = 0  # time in the scheduler's schedule() (kvgate's plan and vLLM's own)
     speed_permille: int = 1000  # the fitted speed factor (fit_speed), x1000
     overhead_us: int = 0  # the fitted per-step overhead (fit_speed), in us
@@ -628,6 +640,8 @@ class VllmBook(SchedBook):
         stats.step_planned_ms += round(planned)
         if ms > 1.5 * planned + 5.0:
             stats.steps_over_plan += 1
+        if is_slow_step(ms, planned):
+            stats.slow_steps += 1
         if self.fit_speed and base_ms > 0.0 and ms > 0.0:
             self._fit_step(base_ms, ms)
         if self._step_prefill:
@@ -729,6 +743,11 @@ class VllmBook(SchedBook):
 
     def __len__(self) -> int:
         return len(self._states)
+
+
+def is_slow_step(ms: float, planned_ms: float) -> bool:
+    """A step that ran ``ms`` against ``planned_ms`` on the profile is a stall."""
+    return ms >= SLOW_STEP_MS and ms > SLOW_STEP_FACTOR * planned_ms
 
 
 def _waiting_again(st: ReqState, cached_tokens: int) -> ReqState:

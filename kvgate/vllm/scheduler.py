@@ -47,15 +47,19 @@ from kvgate.logs import LogOnce
 from kvgate.slo import SLO_CLASSES, SloError
 from kvgate.slo_forward import slo_from_xargs
 from kvgate.vllm import UNTESTED_ENV, check_vllm_version
-from kvgate.vllm.book import Arrival, Capacity, StepOrder, StepResult, VllmBook
+from kvgate.vllm.book import (
+    SLOW_STEP_MS,
+    Arrival,
+    Capacity,
+    StepOrder,
+    StepResult,
+    VllmBook,
+    is_slow_step,
+)
 from kvgate.vllm.options import PluginOptions, parse_options
 
 log = logging.getLogger("vllm.kvgate")  # vLLM configures its "vllm" loggers: ours show up
 WARN_EVERY_S = 60.0  # a repeated warning is logged once in this long
-# a step this long, and this far over the cost profile's plan for it, is logged with what it
-# ran (at most one a second): a stall every decoding request's TPOT pays for
-SLOW_STEP_MS = 1000.0
-SLOW_STEP_FACTOR = 3.0
 
 
 class SloScheduler(Scheduler):
@@ -100,7 +104,8 @@ class SloScheduler(Scheduler):
         self._stats_at = time.monotonic()
         self._log_once = LogOnce(log, every_s=WARN_EVERY_S)
         self._log_slow = LogOnce(log, every_s=1.0)
-        # what the step running now was ordered and given (the slow-step log formats it)
+        # what the step running now was ordered and given (the slow-step log formats it; set
+        # with the step's start time, so known whenever a step is timed)
         self._step_shape: tuple[int, ...] = ()
         self._token_bytes: Any = None
         self._reporter: Any = None
@@ -306,9 +311,7 @@ class SloScheduler(Scheduler):
         try:
             if exec_ms is not None:
                 planned = self._book.step_executed(exec_ms)
-                slow = exec_ms >= SLOW_STEP_MS and exec_ms > SLOW_STEP_FACTOR * planned
-                if slow and self._step_shape:
-                    self._book.stats.slow_steps += 1
+                if is_slow_step(exec_ms, planned):  # (the book counts it)
                     self._log_slow.warning(
                         "slow-step",
                         "kvgate: a step took %.0f ms against %.0f ms planned: %d decodes, %d "
