@@ -4,6 +4,9 @@ Both produce :class:`RequestRecord` objects and summarise them with :func:`summa
 run and a simulated run of the same workload are compared on exactly the same definitions:
 
 * TTFT: arrival (scheduled send time) to the first output token;
+* TTFT p99 of all requests: the p99 with every request that got no first token (shed, rejected,
+  failed) counted as never answered, so None when more than 1% got none. The percentiles of
+  served requests alone favour whoever refuses its slowest requests;
 * TPOT: mean time per output token after the first, ``(t_last - t_first) / (tokens - 1)``;
 * SLO met: finished OK with TTFT <= its TTFT objective and TPOT <= its TPOT objective;
 * goodput: SLO-meeting requests per second of offered load;
@@ -99,6 +102,22 @@ def _pcts(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | N
     }
 
 
+def ttft_p99_all_ms(records: Sequence[RequestRecord]) -> float | None:
+    """p99 TTFT in ms over every request, one without a first token counted as infinitely late
+    (None: more than 1% had none, so no p99 exists). Interpolates as :func:`percentile` does."""
+    n = len(records)
+    answered = sorted(r.ttft_s for r in records if r.ok and r.ttft_s is not None)
+    if n == 0:
+        return None
+    pos = (n - 1) * 0.99
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    if lo >= len(answered) or (pos > lo and hi >= len(answered)):
+        return None
+    value = answered[lo] + (answered[hi] - answered[lo]) * (pos - lo) if pos > lo else answered[lo]
+    return round(value * 1000.0, 3)
+
+
 def spread(counts: Iterable[float]) -> dict[str, float | None]:
     """How unevenly work is spread: max/mean and coefficient of variation (0 = perfectly even)."""
     vals = list(counts)
@@ -162,6 +181,7 @@ def summarize(records: Sequence[RequestRecord], engines: Sequence[str] = ()) -> 
         "offered_rps": round(n / span, 4) if n > 1 else None,
         "makespan_s": round(end - first, 3),
         "ttft_ms": _pcts(ttft),
+        "ttft_p99_all_ms": ttft_p99_all_ms(records),
         "tpot_ms": _pcts(tpot),
         "e2e_ms": _pcts(e2e),
         "slo_attainment": round(met / n, 4),

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.metrics import RequestRecord, spread, summarize
+from bench.metrics import RequestRecord, spread, summarize, ttft_p99_all_ms
 from bench.report import build_report, load_runs, runs_table
 
 
@@ -50,6 +50,24 @@ def test_summarize_definitions() -> None:
     assert s["load_spread_requests"]["max_over_mean"] == pytest.approx(2 / (4 / 3), abs=1e-3)
     assert s["by_kind"]["file"]["requests"] == 2
     assert summarize([]) == {"requests": 0}
+
+
+def test_p99_of_all_requests_counts_a_refused_one_as_never_answered() -> None:
+    """Served p99 drops refused requests; the p99 of all requests does not, so a policy cannot
+    lower it by refusing its slowest: with 1 of 200 refused it is the slowest served TTFT's
+    neighbourhood, with 3 of 200 (over 1%) it does not exist."""
+    served = [_rec(i, ttft=0.001 * (i + 1), engine="a") for i in range(199)]
+    one_refused = [*served, _rec(199, ttft=0.0, engine="a", status=429)]
+    assert summarize(served)["ttft_p99_all_ms"] == pytest.approx(
+        summarize(served)["ttft_ms"]["p99"], abs=1e-6
+    )  # nothing refused: the same p99
+    # 200 requests: position 197.01 of 0..199, between the 198th and 199th TTFT (198, 199 ms)
+    assert ttft_p99_all_ms(one_refused) == pytest.approx(198.01, abs=1e-6)
+    assert summarize(one_refused)["ttft_ms"]["p99"] < 198.01  # served p99: 197.02 ms
+    three_refused = served[:197] + [_rec(i, ttft=0.0, engine="a", status=429) for i in range(3)]
+    assert ttft_p99_all_ms(three_refused) is None
+    assert summarize(three_refused)["ttft_ms"]["p99"] is not None
+    assert ttft_p99_all_ms([]) is None
 
 
 def test_spread() -> None:
