@@ -159,8 +159,12 @@ class View:
         tokens_ahead = foreign
         ahead: list[tuple[float, int, float]] = []
         for due, tokens, prefill_s, done in eng.open_prefill.values():
-            if done <= now:
-                continue  # (an engine without request events: presumably prefilled by now)
+            if done <= now and not eng.reports_requests:
+                # an engine without request events: presumably prefilled by now (one that has
+                # sent any says when: a request routed before its first event, set to end at a
+                # guess, stays open until its first token; expired, the first long prefills of
+                # a cold fleet looked done while later requests due sooner overtook them)
+                continue
             if due <= deadline:
                 if due - now >= prefill_s:
                     tokens_ahead += tokens

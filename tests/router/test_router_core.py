@@ -21,6 +21,7 @@ from broker.events import (
     RequestEnqueued,
     RequestFinished,
     RequestRejected,
+    RequestStarted,
 )
 from engine_reporter.hashing import chain_hashes, split_blocks
 from kvgate.slo import Slo
@@ -846,6 +847,26 @@ def test_an_engine_without_request_events_has_its_prefills_aged_out() -> None:
     f.route("r2", b"w" * 40_000, 3.0)
     f.heartbeat("v", 3.1, queued_prefill_tokens=10_000)
     assert f.router.cluster.engines["v"].foreign_prefill_tokens == 0
+
+
+def test_a_prefill_routed_before_the_engine_s_first_request_event_stays_open() -> None:
+    """The first request routed to an engine is booked before it has said it reports request
+    events, so it gets the aged-out end guess above. Once the engine reports them it says when
+    the prefill ends: the request stays queued there past the guess (a long first prefill of a
+    cold fleet, slowed by requests due sooner, looked done, and the router sent it more of
+    them) and counts as delayed by a request due sooner, until its first token."""
+    f = Fleet(n=0)
+    f.heartbeat("v", 0.0)
+    slo = Slo(60_000.0, 100.0)
+    assert f.route("r", b"v" * 40_000, 1.0, slo=slo).engine_id == "v"  # ~1.2 s of prefill
+    f.send("v", RequestStarted("r"), 1.01)
+    view, ev = _view(f, 3.0, "v")
+    assert view.prefill_ahead_ms(ev, 1e9) > 1000.0
+    assert view.prefill_queue(ev, 3.0 + 10.0)[1] == 1  # due at 61 s: behind one due at 13 s
+    f.send("v", FirstToken("r", 2_500.0), 3.5)
+    view, ev = _view(f, 3.6, "v")
+    assert view.prefill_ahead_ms(ev, 1e9) == 0.0
+    assert view.prefill_queue(ev, 3.6 + 10.0)[1] == 0
 
 
 def test_e2_scores_the_top_holders_and_the_least_loaded_in_a_big_fleet() -> None:
