@@ -105,17 +105,12 @@ def _pcts(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | N
 def ttft_p99_all_ms(records: Sequence[RequestRecord]) -> float | None:
     """p99 TTFT in ms over every request, one without a first token counted as infinitely late
     (None: more than 1% had none, so no p99 exists). Interpolates as :func:`percentile` does."""
-    n = len(records)
     answered = sorted(r.ttft_s for r in records if r.ok and r.ttft_s is not None)
-    if n == 0:
-        return None
-    pos = (n - 1) * 0.99
-    lo = math.floor(pos)
-    hi = min(lo + 1, n - 1)
-    if lo >= len(answered) or (pos > lo and hi >= len(answered)):
-        return None
-    value = answered[lo] + (answered[hi] - answered[lo]) * (pos - lo) if pos > lo else answered[lo]
-    return round(value * 1000.0, 3)
+    pos = (len(records) - 1) * 0.99
+    lo, hi = math.floor(pos), math.ceil(pos)
+    if not records or hi >= len(answered):
+        return None  # the p99 falls on (or between) requests answered never
+    return round((answered[lo] + (answered[hi] - answered[lo]) * (pos - lo)) * 1000.0, 3)
 
 
 def spread(counts: Iterable[float]) -> dict[str, float | None]:
