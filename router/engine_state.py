@@ -111,8 +111,8 @@ class _Engine:
     open_out_tokens: int = 0  # output tokens of in-flight requests
     open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens
     # in-flight requests without a first token: request id -> (deadline, missed tokens, their
-    # prefill time at the engine's speed in s, when it presumably ended (engines that send no
-    # request events; else inf))
+    # prefill time at the engine's speed in s, when it presumably ended: read only while the
+    # engine has sent no request event (routed before its first one: a guess; after: inf))
     open_prefill: dict[str, tuple[float, int, float, float]] = field(default_factory=dict)
     reports_requests: bool = False  # it sends request events (enqueued, first token, ...)
     reports_prefill_steps: bool = False  # its heartbeats time its prefill work (speed fit)
