@@ -206,8 +206,9 @@ class View:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``
         are freed; each evicted prefix costs ``hit count (decayed over the window) x miss rate x
         prefill time of its tokens``, the miss rate being ``1 / holders`` (a prefix other
-        engines also hold is cheaper to lose here). Beyond ``max_scan`` nodes the cost of the
-        scanned part is extrapolated."""
+        engines also hold is cheaper to lose here), and at most one prefill of it (the next
+        request that wants it there recomputes it once: the window's hits are not each a miss).
+        Beyond ``max_scan`` nodes the cost of the scanned part is extrapolated."""
         if need_bytes <= 0:
             return 0.0
         cl = self._cluster
@@ -231,7 +232,10 @@ class View:
             if hits > 0.0:
                 tokens = p.cached_tokens_for_bytes(size)
                 context = p.cached_tokens_for_bytes(node.start)
-                cost += hits / max(holders, 1) * p.prefill_ms(tokens, context) * speed
+                # the next request that wants it here prefills it again and caches it anew:
+                # one prefill at most, not one per hit of the window
+                misses = hits / max(holders, 1)
+                cost += (misses if misses < 1.0 else 1.0) * p.prefill_ms(tokens, context) * speed
             freed += size
             if freed >= need_bytes:
                 break

@@ -26,7 +26,10 @@ engine *when would this request's first token come out there, and what does it c
   TTFT pays for it; its work does not, as the request it overtakes then finds the prefix
   cached: the engine prefills a shared prefix once).
   ``M_i`` is Preble's eviction cost (hit count x miss rate x prefill time of each prefix the
-  engine's LRU would evict).
+  engine's LRU would evict), each prefix's capped at one prefill: the next request that wants
+  it there prefills and caches it again. (Preble's ``L`` and ``M`` both count a 3-minute window;
+  next to a per-request TTFT an uncapped ``M`` priced a full engine's old copy of a popular
+  document at dozens of prefills, and that engine starved.)
 
   The rest is the work the request takes from others (weight ``w``, ``work_weight``): its own
   prefill is GPU time (the 1) that delays the requests queued behind it (``behind_i``:
