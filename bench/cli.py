@@ -223,6 +223,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--slow-factor", type=float, default=None, help="hetero: slow engines' factor")
     p.add_argument(
+        "--scheduler",
+        default=None,
+        choices=("slo", "fcfs", "preble"),
+        help="the engines' local scheduler (default slo; fcfs is vLLM's own order)",
+    )
+    p.add_argument(
         "--run-shed",
         action="store_true",
         help="run the requests the router sheds anyway, to measure the SLO filter's precision",
@@ -375,7 +381,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
         changes["fleets"] = tuple(int(x) for x in args.fleets)
     if args.seeds is not None:
         changes["seeds"] = tuple(int(x) for x in args.seeds)
-    for name in ("requests_per_engine", "min_requests", "max_requests", "slow_factor"):
+    for name in ("requests_per_engine", "min_requests", "max_requests", "slow_factor", "scheduler"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.run_shed:
@@ -383,7 +389,11 @@ def _run_matrix(args: argparse.Namespace) -> int:
     spec = quick_spec(**changes) if args.quick else MatrixSpec(**changes)
     from bench.matrix import load_knees
 
-    knees = load_knees(args.knees_from) if args.knees_from else None
+    try:
+        knees = load_knees(args.knees_from, spec) if args.knees_from else None
+    except (OSError, ValueError) as exc:
+        print(f"kvgate bench matrix: {exc}", file=sys.stderr)
+        return 2
     doc = run_matrix(spec, jobs=args.jobs, out=args.out, knees=knees)
     print(format_verdict(doc["verdict"]))
     if not args.no_plots:

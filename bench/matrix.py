@@ -379,12 +379,21 @@ class _Inline:
         return None
 
 
-def load_knees(path: Path) -> dict[tuple[str, int, str], dict]:
+def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, int, str], dict]:
     """The knees of an earlier matrix document, by (workload, fleet, kind): a rerun of changed
-    policies can skip calibration (round robin's knee does not depend on them)."""
+    policies can skip calibration (round robin's knee does not depend on them). With ``spec``,
+    only from a document on the same engines (scheduler, profile, slowness)."""
     doc = orjson.loads(path.read_bytes())
     if doc.get("kind") != "kvgate-matrix":
         raise ValueError(f"{path}: not a kvgate-matrix document")
+    if spec is not None:
+        theirs = doc.get("spec") or {}
+        for name in ("scheduler", "profile", "slow_factor"):
+            had = theirs.get(name, getattr(MatrixSpec(), name))  # (older files: the default)
+            if had != getattr(spec, name):
+                raise ValueError(
+                    f"{path}: its knees are for {name} {had!r}, not {getattr(spec, name)!r}"
+                )
     return {(e["workload"], e["fleet"], e["kind"]): e["knee"] for e in doc["combos"]}
 
 

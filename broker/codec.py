@@ -109,21 +109,25 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
 
 
 def _heartbeat_tail(ev: LoadHeartbeat) -> tuple:
-    """A heartbeat's optional fields, as far as the last one set (positional on the wire)."""
-    if ev.prefill_ms is not None or ev.prefill_plan_ms is not None:
-        return (
-            ev.decode_step_ms,
-            ev.decode_batch,
-            ev.decode_context,
-            ev.role,
-            ev.prefill_ms,
-            ev.prefill_plan_ms,
-        )
-    if ev.role != "both":
-        return (ev.decode_step_ms, ev.decode_batch, ev.decode_context, ev.role)
-    if ev.decode_step_ms is not None:
-        return (ev.decode_step_ms, ev.decode_batch, ev.decode_context)
-    return ()
+    """A heartbeat's optional fields, as far as the last one not at its default (positional on
+    the wire: each was added after the ones before it, and an older record decodes to the
+    defaults of the fields it lacks)."""
+    tail = (
+        ev.decode_step_ms,
+        ev.decode_batch,
+        ev.decode_context,
+        ev.role,
+        ev.prefill_ms,
+        ev.prefill_plan_ms,
+        ev.queue_order,
+    )
+    n = len(tail)
+    while n and tail[n - 1] == _HEARTBEAT_TAIL_DEFAULTS[n - 1]:
+        n -= 1
+    return tail[:n]
+
+
+_HEARTBEAT_TAIL_DEFAULTS = (None, None, None, "both", None, None, "deadline")
 
 
 def encode_batch(envelopes: Sequence[Envelope]) -> dict[bytes, bytes]:
@@ -260,7 +264,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 4, "rj")
         return RequestRejected(rec[2], rec[3]), offset
     if kind == "hb":
-        _arity(rec, 11, "hb", optional=6)
+        _arity(rec, 11, "hb", optional=7)
         models = rec[10]
         if not isinstance(models, list):
             raise CodecError("hb: models must be a list")

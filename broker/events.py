@@ -23,6 +23,11 @@ from typing import ClassVar
 U64_MAX = (1 << 64) - 1
 # an engine's part in a prefill/decode disaggregated fleet (LoadHeartbeat.role)
 ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+# the order an engine serves its prefill queue in (LoadHeartbeat.queue_order): ``deadline``,
+# S-EDF (a request due sooner overtakes, one that can no longer make its deadline is rejected;
+# kvgate's ``slo`` scheduler, in its engine and in vLLM), or ``arrival``, first come first
+# served with nothing rejected for its SLO (vLLM's own scheduler; kvgate's ``fcfs``/``preble``)
+QUEUE_ORDERS: tuple[str, ...] = ("deadline", "arrival")
 
 
 class EventError(ValueError):
@@ -245,6 +250,8 @@ class LoadHeartbeat:
     ``prefill_ms`` its execution time and ``prefill_plan_ms`` what the cost profile the engine
     names gives for the same work (routers fit the engine's real prefill speed from their
     ratio within a heartbeat of its starting work, where a first token can take seconds).
+    ``queue_order`` is the order its prefill queue is served in (:data:`QUEUE_ORDERS`): what a
+    request queues behind there, and whether late work is dropped or still runs.
     """
 
     KIND: ClassVar[str] = "hb"
@@ -263,10 +270,15 @@ class LoadHeartbeat:
     role: str = "both"
     prefill_ms: float | None = None
     prefill_plan_ms: float | None = None
+    queue_order: str = "deadline"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise EventError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.queue_order not in QUEUE_ORDERS:
+            raise EventError(
+                f"queue_order must be one of {', '.join(QUEUE_ORDERS)}, got {self.queue_order!r}"
+            )
         for name in (
             "decode_step_ms",
             "decode_batch",

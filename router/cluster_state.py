@@ -325,6 +325,7 @@ class ClusterState:
                 decode_inv_tpot=sum(n / t for t, n in eng.decode_tpots.items() if t > 0),
                 role=eng.role,
                 unannounced_bytes=max(eng.open_prefill_tokens, 0) * p.bytes_per_token,
+                arrival_order=hb is not None and hb.queue_order == "arrival",
             )
         return v
 

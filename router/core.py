@@ -265,6 +265,7 @@ class Router:
                         "kv_blocks_used": hb.kv_blocks_used,
                         "kv_blocks_total": hb.kv_blocks_total,
                         "vbs": hb.vbs,
+                        "queue_order": hb.queue_order,
                     },
                 }
             )

@@ -147,7 +147,9 @@ class View:
         later (a request due at ``deadline`` would delay them by its own prefill); and the part
         of the work ahead that will run: in deadline order, a request that cannot start in
         time behind the ones before it (at ``share`` of the GPU for prefill) is rejected by the
-        engine while it waits, and never runs."""
+        engine while it waits, and never runs. An engine serving in arrival order
+        (``EngineView.arrival_order``: vLLM's own scheduler) runs all of its queue first and
+        drops none: every open request there is ahead, none behind, all of it runs."""
         eng = self._cluster.engines.get(ev.engine_id)
         if eng is None:
             return ev.queued_prefill_ms, 0, ev.queued_prefill_ms
@@ -158,6 +160,7 @@ class View:
         foreign = eng.foreign_prefill_tokens
         tokens_ahead = foreign
         ahead: list[tuple[float, int, float]] = []
+        fifo = ev.arrival_order
         for due, tokens, prefill_s, done in eng.open_prefill.values():
             if done <= now and not eng.reports_requests:
                 # an engine without request events: presumably prefilled by now (one that has
@@ -165,14 +168,16 @@ class View:
                 # guess, stays open until its first token; expired, the first long prefills of
                 # a cold fleet looked done while later requests due sooner overtook them)
                 continue
-            if due <= deadline:
+            if fifo:
+                tokens_ahead += tokens
+            elif due <= deadline:
                 if due - now >= prefill_s:
                     tokens_ahead += tokens
                     ahead.append((due, tokens, prefill_s))
             else:
                 behind += 1
         ahead_ms = prof.prefill_ms(tokens_ahead) * scale if tokens_ahead > 0 else 0.0
-        if len(ahead) <= 1:
+        if len(ahead) <= 1:  # (in arrival order it stays empty: all of the queue runs)
             return ahead_ms, behind, ahead_ms
         ahead.sort()
         tokens_run = foreign

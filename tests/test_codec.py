@@ -38,7 +38,7 @@ block_stored = st.integers(1, 5).flatmap(
     )
 )
 heartbeat = st.builds(
-    lambda counts, vbs, prof, url, models, decode, role, prefill: LoadHeartbeat(
+    lambda counts, vbs, prof, url, models, decode, role, prefill, order: LoadHeartbeat(
         *counts,
         vbs,
         prof,
@@ -47,6 +47,7 @@ heartbeat = st.builds(
         *(decode or (None, None, None)),
         role,
         *(prefill or (None, None)),
+        order,
     ),
     st.tuples(COUNT, COUNT, COUNT, COUNT, COUNT),
     MS,
@@ -56,6 +57,7 @@ heartbeat = st.builds(
     st.none() | st.tuples(MS, MS, MS),  # optional decode-step figures (SpeedFit)
     st.sampled_from(("both", "prefill", "decode")),
     st.none() | st.tuples(MS, MS),  # optional prefill-work figures (SpeedFit)
+    st.sampled_from(("deadline", "arrival")),  # the order its prefill queue is served in
 )
 first_token = st.one_of(
     st.builds(FirstToken, ID, MS),
@@ -156,9 +158,15 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     timed = [*roled, 300.0, 150.0]  # the prefill work's time and plan (speed fit), added last
     (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [timed]]), b"b": b""})
     assert (env.event.prefill_ms, env.event.prefill_plan_ms) == (300.0, 150.0)
-    assert env.event.role == "decode"
-    newer = orjson.dumps(["e1", "ep", 0, [[*timed, "extra"]]])
-    with pytest.raises(CodecError, match="11 to 17 items"):
+    assert env.event.role == "decode" and env.event.queue_order == "deadline"
+    ordered = [*timed, "arrival"]  # the order its prefill queue is served in, added last
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [ordered]]), b"b": b""})
+    assert env.event.queue_order == "arrival" and env.event.prefill_ms == 300.0
+    bad = orjson.dumps(["e1", "ep", 0, [[*timed, "random"]]])
+    with pytest.raises(ValueError, match="queue_order must be one of deadline, arrival"):
+        decode_batch({b"v": b"1", b"h": bad, b"b": b""})
+    newer = orjson.dumps(["e1", "ep", 0, [[*ordered, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 18 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
 
 

@@ -62,9 +62,12 @@ class SchedView(Protocol):
 
 
 class Policy(Protocol):
-    """A scheduling policy; ``name`` is its registry key and its file name."""
+    """A scheduling policy; ``name`` is its registry key and its file name; ``queue_order``
+    the order it serves prefill in, as heartbeats announce it to routers
+    (:data:`broker.events.QUEUE_ORDERS`)."""
 
     name: str
+    queue_order: str
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
         """A reason to reject ``st`` at once, or None to queue it."""

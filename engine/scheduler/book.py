@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from broker.events import LoadHeartbeat
 from engine.costs import cached_predictor, prefill_batch_ms
+from engine.scheduler.base import Policy
 from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig
 from kvgate.cost_model import CostProfile
 
 
 class SchedBook:
     """Queues, SCORPIO's ledger and prefill units (a SchedView without its KV half)."""
+
+    policy: Policy  # the subclass's: what decides each step
 
     def __init__(self, profile: CostProfile, config: SchedulerConfig) -> None:
         self.profile = profile
@@ -127,6 +130,7 @@ class SchedBook:
             role=role,
             prefill_ms=prefill_ms,
             prefill_plan_ms=prefill_plan_ms,
+            queue_order=self.policy.queue_order,
         )
 
     # ------------------------------------------------------------------ bookkeeping

@@ -14,6 +14,7 @@ from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
 
 class FcfsPolicy:
     name = "fcfs"
+    queue_order = "arrival"
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
         return None

@@ -35,6 +35,9 @@ def group_quota(group: int) -> int:
 
 class PreblePolicy:
     name = "preble"
+    # by cache-hit group, first come first served within each; nothing is due sooner or
+    # rejected for its SLO, so to a router it is an arrival-order queue
+    queue_order = "arrival"
 
     def __init__(self) -> None:
         self.group = GROUPS - 1  # the group being visited

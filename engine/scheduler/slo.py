@@ -62,6 +62,7 @@ Key = tuple[int, float, int]
 
 class SloPolicy:
     name = "slo"
+    queue_order = "deadline"  # S-EDF; a request that can no longer make it is rejected
 
     # ------------------------------------------------------------------ interface
 

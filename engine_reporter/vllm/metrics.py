@@ -124,6 +124,9 @@ def build_heartbeat(
         url=url,
         models=models,
         role=role,
+        # vLLM's own scheduler: first come first served, nothing rejected for its SLO (an
+        # engine running kvgate's SloScheduler reports its heartbeats itself)
+        queue_order="arrival",
     )
 
 

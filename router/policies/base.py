@@ -70,6 +70,9 @@ class EngineView:
     # the KV the prefills routed there and not done yet will write (in key bytes): not in
     # ``free_bytes``, which counts the blocks the engine announced
     unannounced_bytes: int = 0
+    # its heartbeat says it serves prefill in arrival order (``LoadHeartbeat.queue_order``:
+    # vLLM's own scheduler), not S-EDF: nothing overtakes a queued request, nothing is dropped
+    arrival_order: bool = False
 
     def __init__(
         self,
@@ -102,6 +105,7 @@ class EngineView:
         rate_t: float = 0.0,
         role: str = "both",
         unannounced_bytes: int = 0,
+        arrival_order: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -132,6 +136,7 @@ class EngineView:
         self.rate_t = rate_t
         self.role = role
         self.unannounced_bytes = unannounced_bytes
+        self.arrival_order = arrival_order
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms

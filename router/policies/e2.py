@@ -20,7 +20,9 @@ engine *when would this request's first token come out there, and what does it c
   the GPU time the engine's decode batch takes and stretched by the work that will arrive due
   sooner and overtake it (``1 / (1 - busy_i x sooner)``), plus any wait for SCORPIO's VBS
   admission and the decode iteration that precedes a prefill slice; all on the engine's
-  profile corrected by its fitted speed (:class:`kvgate.cost_model.SpeedFit`). A prefix the
+  profile corrected by its fitted speed (:class:`kvgate.cost_model.SpeedFit`); on an engine
+  that serves in arrival order (vLLM's own scheduler, as its heartbeat says) the whole queue
+  runs first and nothing overtakes or is dropped. A prefix the
   router only routed there (no block event yet) counts as cached only if the request queues
   behind every open one: one due earlier overtakes them and prefills the prefix itself (its
   TTFT pays for it; its work does not, as the request it overtakes then finds the prefix

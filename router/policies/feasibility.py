@@ -38,6 +38,13 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
   can still start in time behind the work before it, and the decode batch only the requests
   decoding now (the queued ones are behind a request that overtakes them).
 
+All of that is S-EDF (kvgate's scheduler). An engine whose heartbeat says it serves prefill in
+arrival order (``LoadHeartbeat.queue_order``: vLLM's own scheduler, kvgate's ``fcfs``) runs its
+whole queue first and drops none: ``queue`` and ``runs`` are every open request there,
+``behind`` is 0, ``stretch`` is 1, there is no VBS admission wait (vLLM starts what its KV
+memory holds) and the floor is the expected TTFT (nothing overtakes it). Read as S-EDF, an
+FCFS engine holding a long queue of late or later-due work looked cheap (docs/router.md).
+
 An engine is *feasible* for a request when the soonest its first token could come there
 (``ttft_floor``: nothing overtakes it, and of the work queued ahead only what can still start
 in time behind the work before it counts, as the engine rejects the rest while it waits) is
@@ -325,8 +332,10 @@ def estimate(
     # prefill (the engine prefills a shared prefix once): the work it adds is what that leaves
     own_work = prefill_cost_ms(ev, ctx.key_len, routed, cache) if routed > matched else own
     # a request arriving t ms from now overtakes it only if due sooner, with an SLO shorter
-    # than its own minus t: over the wait (unstretched), the SLO half the wait shorter
-    sooner = view.share_due_sooner(slo.ttft_ms - (queue + own) / share / 2.0)
+    # than its own minus t: over the wait (unstretched), the SLO half the wait shorter; in
+    # arrival order nothing overtakes it
+    fifo = ev.arrival_order
+    sooner = 0.0 if fifo else view.share_due_sooner(slo.ttft_ms - (queue + own) / share / 2.0)
     prof = ev.profile
     decay = rate_decay(ev, now)
     if ev.role == "prefill":
@@ -356,8 +365,9 @@ def estimate(
     t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
     capacity = decode_capacity(ev, mine, t_min)
     batch = virtual_batch(ev, t_min)
-    if alone < limit:
-        # every request in flight there holds or awaits a place in the virtual batch
+    if alone < limit and not fifo:
+        # every request in flight there holds or awaits a place in the virtual batch (an
+        # arrival-order engine has no VBS admission: it starts what its KV memory holds)
         admit = _vbs_wait_ms(ev, view, now, batch, ev.inflight, capacity, t_min, slo.tpot_ms)
     # its decode takes a place in the engine's decode batch for its output tokens, and a
     # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
@@ -367,7 +377,10 @@ def estimate(
     harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
     admit += step
-    floor_share, floor_admit = _soonest_batch(ev, view, now, slo.tpot_ms, mine, alone < limit)
+    if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
+        floor_share, floor_admit = share, admit
+    else:
+        floor_share, floor_admit = _soonest_batch(ev, view, now, slo.tpot_ms, mine, alone < limit)
     # prefill's utilization there: the prefill routed there per second of the GPU time prefill
     # gets
     busy = min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)

@@ -44,6 +44,12 @@ def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     rc = main(["bench", "sim", "--trace", "tool_use", "--duration", "2", "--policies",
                "e2[bogus=1]", "--out", str(tmp_path / "x.json")])  # fmt: skip
     assert rc == 2 and "bogus" in capsys.readouterr().err
+    # knees of the matrix found on other engines (the default slo scheduler) are refused
+    knees = tmp_path / "knees.json"
+    knees.write_bytes(orjson.dumps({"kind": "kvgate-matrix", "spec": {}, "combos": []}))
+    rc = main(["bench", "matrix", "--quick", "--scheduler", "fcfs", "--knees-from", str(knees),
+               "--out", str(tmp_path / "m.json"), "--no-plots"])  # fmt: skip
+    assert rc == 2 and "scheduler 'slo', not 'fcfs'" in capsys.readouterr().err
 
 
 def test_workloads_verb(capsys) -> None:

@@ -14,11 +14,12 @@ from bench.matrix import (
     draw_heatmaps,
     format_verdict,
     heatmap_grid,
+    load_knees,
     run_matrix,
     verdict,
 )
 
-SLICE = MatrixSpec(
+SLICE_FIELDS: dict = dict(
     workloads=("tool_use", "zipf_doc_qa"),
     policies=("e2", "round_robin", "least_load"),
     fleets=(4,),
@@ -27,6 +28,7 @@ SLICE = MatrixSpec(
     min_requests=300,
     max_requests=300,
 )
+SLICE = MatrixSpec(**SLICE_FIELDS)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,20 @@ def test_e2_never_worse_than_round_robin_or_least_load(slice_doc: dict) -> None:
             assert cmp is not None
             assert cmp["attainment"] >= -0.01, (name, cmp)
             assert cmp["ttft_p99_all_ok"], (name, cmp)
+
+
+def test_knees_are_reused_only_on_the_same_engines(slice_doc: dict, tmp_path: Path) -> None:
+    """A knee is where round robin drops below 90% on those engines: another scheduler or
+    slowness has its own, so a rerun does not borrow them."""
+    path = tmp_path / "slice.json"
+    path.write_bytes(orjson.dumps(slice_doc))
+    knees = load_knees(path, SLICE)
+    assert set(knees) == {("tool_use", 4, k) for k in ("homo", "hetero")} | {
+        ("zipf_doc_qa", 4, k) for k in ("homo", "hetero")
+    }
+    for change in ({"scheduler": "fcfs"}, {"slow_factor": 3.0}):
+        with pytest.raises(ValueError, match=next(iter(change))):
+            load_knees(path, MatrixSpec(**{**SLICE_FIELDS, **change}))
 
 
 def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:

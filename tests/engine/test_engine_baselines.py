@@ -20,6 +20,17 @@ def test_fcfs_serves_in_arrival_order_and_never_rejects_for_slo() -> None:
     assert ft == pytest.approx({"A": 0.1, "B": 0.2, "C": 0.3})
 
 
+@pytest.mark.parametrize(
+    ("policy", "order"), [("fcfs", "arrival"), ("preble", "arrival"), ("slo", "deadline")]
+)
+def test_heartbeats_announce_the_order_the_prefill_queue_is_served_in(
+    policy: str, order: str
+) -> None:
+    """Routers predict a request's wait from it: S-EDF lets a request due sooner overtake and
+    rejects one past saving; the baselines serve their queue first come first served."""
+    assert core(policy).heartbeat("http://127.0.0.1:1", ("m",)).queue_order == order
+
+
 def test_fcfs_chunks_long_prompts_and_decodes_everyone_every_step() -> None:
     c = core("fcfs", chunked_budget=2048)
     c.submit(req("D1", 10, out=1000, tpot_ms=1), 0.0)

@@ -377,6 +377,9 @@ def test_state_is_json_ready_and_counts_decisions() -> None:
     assert st["tree"]["bytes"] >= len(PROMPT)
     assert st["hits"]["routed_matched_bytes"] == len(PROMPT)
     assert {"policy": "e2", "reason": "exploit", "count": 1} in st["decisions"]
+    f.heartbeat("e2", 2.0, queue_order="arrival")
+    orders = {e["engine_id"]: e["heartbeat"]["queue_order"] for e in f.router.state(2.0)["engines"]}
+    assert orders == {"e0": "deadline", "e1": "deadline", "e2": "arrival"}
 
 
 def test_replicating_a_moved_group_ends_its_override() -> None:
@@ -813,6 +816,64 @@ def test_work_ahead_that_cannot_start_in_time_behind_earlier_work_does_not_run()
     assert runs == pytest.approx(prof.prefill_ms(5_000))
     # at half the GPU (a decode batch running) not even the first can make it after nothing
     assert view.prefill_queue(ev, 1.0 + 100.0, share=0.5)[2] == pytest.approx(0.0)
+
+
+def test_an_arrival_order_engine_queues_every_open_request_ahead_and_drops_none() -> None:
+    """vLLM's own scheduler (``queue_order="arrival"``) serves its queue first come first
+    served and rejects nothing for its SLO: the requests S-EDF would drop or run later are all
+    ahead of a new one, none is behind it, and an urgent request cannot overtake them."""
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    big_ms = prof.prefill_ms(20_000)
+    # routed (within the shed margin) but past saving: S-EDF rejects it while it waits
+    f.route("late", b"h" * 80_000, 1.0, slo=Slo(0.9 * big_ms, 1000.0))
+    f.route("fine", b"f" * 8_000, 1.0, slo=Slo(60_000.0, 1000.0))
+    view, ev = _view(f, 1.0)
+    assert not ev.arrival_order
+    assert view.prefill_queue(ev, 1.0 + 100.0)[0] == pytest.approx(prof.prefill_ms(2_000))
+    assert view.prefill_queue(ev, 1.0 + 1.0)[:2] == (0.0, 2)  # due first, it overtakes both
+    f.heartbeat("e0", 1.0, queue_order="arrival")
+    view, ev = _view(f, 1.0)
+    assert ev.arrival_order
+    every = prof.prefill_ms(22_000)
+    for due in (1.0 + 100.0, 1.0 + 1.0, 1.0 + 0.001):
+        assert view.prefill_queue(ev, due) == pytest.approx((every, 0, every))
+
+
+def test_an_urgent_request_is_shed_behind_an_arrival_order_queue_it_would_overtake() -> None:
+    """The SLO filter on an arrival-order engine: the long prefill queued first runs first,
+    so a request due before it ends cannot make its SLO there (on S-EDF it overtakes)."""
+    f = Fleet(n=1, options={"shed_factor": 1.0})
+    prof = f.router.cluster.engines["e0"].profile
+    big, small = b"B" * 120_000, b"s" * 2_000
+    big_ms = prof.prefill_ms(prof.tokens_for_bytes(len(big)))
+    small_ms = prof.prefill_ms(prof.tokens_for_bytes(len(small)))
+    f.heartbeat("e0", 0.5, queue_order="arrival")
+    assert f.route("big", big, 1.0, slo=Slo(big_ms + 100.0, 1000.0)).engine_id == "e0"
+    urgent = f.route("urgent", small, 1.0, slo=Slo(small_ms + 50.0, 1000.0))
+    assert urgent.reason == "shed"
+    f.heartbeat("e0", 1.0)  # the same engine, S-EDF
+    urgent = f.route("urgent2", small, 1.0, slo=Slo(small_ms + 50.0, 1000.0))
+    assert (urgent.engine_id, urgent.reason) == ("e0", "explore")
+
+
+def test_e2_sends_a_request_past_a_long_arrival_order_queue_of_work_due_later() -> None:
+    """On S-EDF engines an urgent request overtakes a queue of work due later, so that queue
+    costs it nothing; on arrival-order engines it waits behind all of it and e2 sends it to
+    the engine with less queued work."""
+    for order, expect in (("deadline", "e0"), ("arrival", "e1")):
+        f = Fleet(n=2)
+        for e in ("e0", "e1"):
+            f.heartbeat(e, 0.5, queue_order=order)
+        prof = f.router.cluster.engines["e0"].profile
+        key = b"k" * 4_000
+        f.cache("e0", key, 0.5)  # e0 holds the request's prefix
+        for i in range(4):  # e0: a long queue of relaxed work
+            f.route(f"bulk{i}", bytes([65 + i]) * 60_000, 1.0, slo=Slo(60_000.0, 1000.0),
+                    exclude=frozenset({"e1"}))  # fmt: skip
+        own_ms = prof.prefill_ms(prof.tokens_for_bytes(len(key) + 400))
+        d = f.route("urgent", key + b"q" * 400, 1.0, slo=Slo(own_ms + 500.0, 1000.0))
+        assert d.engine_id == expect, order
 
 
 def test_decoding_requests_set_the_prefill_share_and_the_next_release() -> None:

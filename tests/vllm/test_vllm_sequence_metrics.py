@@ -79,6 +79,7 @@ def test_metrics_to_heartbeat() -> None:
     assert hb.queued_prefill_tokens == round(3 * 264 * (1 - 480 / 1056))
     assert (hb.waiting, hb.running, hb.vbs) == (3, 2, 2.0)
     assert hb.url == "http://127.0.0.1:8111" and hb.models == ("tiny",)
+    assert hb.queue_order == "arrival"  # vLLM's own scheduler: first come first served
 
 
 def test_older_metric_names_and_missing_figures() -> None:
