@@ -25,6 +25,7 @@ from pathlib import Path
 import orjson
 
 from bench.workloads import WORKLOADS, WorkloadOptions
+from engine.scheduler import POLICIES as SCHEDULERS
 
 RESULTS = Path("results/tmp")  # git-ignored; pass --out for results to keep
 
@@ -225,7 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scheduler",
         default=None,
-        choices=("slo", "fcfs", "preble"),
+        choices=tuple(SCHEDULERS),
         help="the engines' local scheduler (default slo; fcfs is vLLM's own order)",
     )
     p.add_argument(

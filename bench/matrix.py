@@ -388,8 +388,9 @@ def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, in
         raise ValueError(f"{path}: not a kvgate-matrix document")
     if spec is not None:
         theirs = doc.get("spec") or {}
+        default = MatrixSpec()  # (what an older file that lacks a field ran on)
         for name in ("scheduler", "profile", "slow_factor"):
-            had = theirs.get(name, getattr(MatrixSpec(), name))  # (older files: the default)
+            had = theirs.get(name, getattr(default, name))
             if had != getattr(spec, name):
                 raise ValueError(
                     f"{path}: its knees are for {name} {had!r}, not {getattr(spec, name)!r}"

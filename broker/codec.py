@@ -17,6 +17,7 @@ batch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 
 import orjson
 
@@ -112,22 +113,16 @@ def _heartbeat_tail(ev: LoadHeartbeat) -> tuple:
     """A heartbeat's optional fields, as far as the last one not at its default (positional on
     the wire: each was added after the ones before it, and an older record decodes to the
     defaults of the fields it lacks)."""
-    tail = (
-        ev.decode_step_ms,
-        ev.decode_batch,
-        ev.decode_context,
-        ev.role,
-        ev.prefill_ms,
-        ev.prefill_plan_ms,
-        ev.queue_order,
-    )
+    tail = [getattr(ev, f.name) for f in _HEARTBEAT_TAIL]
     n = len(tail)
-    while n and tail[n - 1] == _HEARTBEAT_TAIL_DEFAULTS[n - 1]:
+    while n and tail[n - 1] == _HEARTBEAT_TAIL[n - 1].default:
         n -= 1
-    return tail[:n]
+    return tuple(tail[:n])
 
 
-_HEARTBEAT_TAIL_DEFAULTS = (None, None, None, "both", None, None, "deadline")
+# the fields after ``models``: optional, in the order they were added
+_HEARTBEAT_FIELDS = fields(LoadHeartbeat)
+_HEARTBEAT_TAIL = _HEARTBEAT_FIELDS[[f.name for f in _HEARTBEAT_FIELDS].index("models") + 1 :]
 
 
 def encode_batch(envelopes: Sequence[Envelope]) -> dict[bytes, bytes]:
@@ -264,7 +259,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 4, "rj")
         return RequestRejected(rec[2], rec[3]), offset
     if kind == "hb":
-        _arity(rec, 11, "hb", optional=7)
+        _arity(rec, 11, "hb", optional=len(_HEARTBEAT_TAIL))
         models = rec[10]
         if not isinstance(models, list):
             raise CodecError("hb: models must be a list")
