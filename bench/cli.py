@@ -209,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are multiples of each combo's knee, the rate at which round robin first drops below "
         "90% SLO attainment (found by bisection). Prints progress and a table per combo, "
         "saves JSON after each combo, draws a heatmap per metric (e2 against the best other "
-        "policy) and prints the verdicts. Defaults: the full matrix (under 30 min with --jobs 2 "
+        "policy) and prints the verdicts. Defaults: the full matrix (~30 min with --jobs 2 "
         "on the development machine); --quick runs a slice.",
     )
     p.add_argument("--quick", action="store_true", help="a slice: 4 workloads, 4 and 16 engines")
@@ -222,6 +222,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-engine", type=int, default=None)
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument(
+        "--min-window-s",
+        type=float,
+        default=None,
+        help="each cell's arrivals span at least this long at its rate (default 20; 0: sized "
+        "by request count alone, which makes a big fleet's cell a burst)",
+    )
+    p.add_argument(
+        "--max-window-requests",
+        type=int,
+        default=None,
+        help="at most this many requests a cell for --min-window-s (default 2500)",
+    )
     p.add_argument("--slow-factor", type=float, default=None, help="hetero: slow engines' factor")
     p.add_argument(
         "--scheduler",
@@ -382,7 +395,15 @@ def _run_matrix(args: argparse.Namespace) -> int:
         changes["fleets"] = tuple(int(x) for x in args.fleets)
     if args.seeds is not None:
         changes["seeds"] = tuple(int(x) for x in args.seeds)
-    for name in ("requests_per_engine", "min_requests", "max_requests", "slow_factor", "scheduler"):
+    for name in (
+        "requests_per_engine",
+        "min_requests",
+        "max_requests",
+        "min_window_s",
+        "max_window_requests",
+        "slow_factor",
+        "scheduler",
+    ):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.run_shed:

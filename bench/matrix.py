@@ -27,9 +27,14 @@ were of that kind). When no policy answers 99% of a cell's requests, no p99 exis
 attainment alone judges the cell; the verdict lists those cells, and every cell whose p99 of
 served requests is over 1.1x the best. The geometric means use the p99 of served requests.
 
-Cells are sized by request count (``requests_per_engine`` x engines, clamped), not by time, so a
-64-engine cell carries its fleet as many requests per engine as a 4-engine cell does, up to the
-cap. Everything is seeded: a run is a pure function of its inputs (``tests/bench``).
+Cells are sized by request count (``requests_per_engine`` x engines, clamped), so a 64-engine
+cell carries its fleet as many requests per engine as a 4-engine cell does, up to the cap, and by
+time: at its rate a cell's arrivals span at least ``min_window_s`` (more requests, up to
+``max_window_requests``). Sized by count alone, a big fleet's cell was a burst: 1,600 programming
+requests arrived in 0.6 s on 64 engines, fewer than the fleet holds at once (each decodes ~300
+tokens, ~13 s), so round robin's "knee" there was the burst the fleet's batches absorb, 8x the
+per-engine rate that 4 engines sustain, and a quarter of the cells (57 of 216) lasted under 10 s.
+Everything is seeded: a run is a pure function of its inputs (``tests/bench``).
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ SCALED_SLO = "scaled:5:100"
 SYNTHETIC_RATE = 4.0  # requests/s a synthetic family is generated at (the knee rescales it)
 PROBE_REQUESTS = 200  # requests a workload's mean prompt length is read from
 LINK_JITTER_S = 0.001
+# what a matrix document saved before a field existed ran with, where not the field's default
+LEGACY_SPEC = {"min_window_s": 0.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,11 @@ class MatrixSpec:
     requests_per_engine: int = 40
     min_requests: int = 600
     max_requests: int = 1600
+    # at its rate a cell's arrivals span at least this many seconds (more requests, up to
+    # max_window_requests; 0: sized by count alone): a shorter cell measures how a fleet
+    # absorbs a burst, not how it routes sustained load (see the module docstring)
+    min_window_s: float = 20.0
+    max_window_requests: int = 2500
     # at most this many prompt tokens a cell (the simulator's cost grows with them: a cell of
     # long-document prompts gets fewer requests)
     max_prompt_tokens: int = 12_000_000
@@ -117,10 +129,16 @@ class MatrixSpec:
             raise ValueError("policies, fleets, rates and seeds must not be empty")
         if min(self.fleets) < 1 or self.min_requests < 1 or self.max_requests < self.min_requests:
             raise ValueError("fleets and request bounds must be positive and ordered")
+        if self.min_window_s < 0 or self.max_window_requests < 1:
+            raise ValueError("min_window_s must be >= 0 and max_window_requests positive")
 
-    def requests_for(self, fleet: int, mean_input_tokens: float = 0.0) -> int:
-        """Requests in a cell of ``fleet`` engines, for prompts of this mean length."""
+    def requests_for(self, fleet: int, mean_input_tokens: float = 0.0, rps: float = 0.0) -> int:
+        """Requests in a cell of ``fleet`` engines, for prompts of this mean length, arriving at
+        ``rps`` (0: unknown): enough for ``min_window_s`` of arrivals, within the caps (the
+        prompt-token cap bounds the simulator's work, and wins)."""
         n = max(self.min_requests, min(self.max_requests, self.requests_per_engine * fleet))
+        if rps > 0 and self.min_window_s > 0:
+            n = max(n, min(self.max_window_requests, math.ceil(rps * self.min_window_s)))
         if mean_input_tokens > 0:
             n = min(n, max(int(self.max_prompt_tokens / mean_input_tokens), 100))
         return n
@@ -179,12 +197,13 @@ def base_workload(workload: str, seed: int, n: int, profile: str) -> tuple[Reque
 
 
 @cache
-def cell_requests(spec: MatrixSpec, workload: str, fleet: int) -> int:
-    """How many requests a cell of ``workload`` on ``fleet`` engines has (see
-    :meth:`MatrixSpec.requests_for`; the mean prompt from the workload's first requests)."""
+def cell_requests(spec: MatrixSpec, workload: str, fleet: int, scale: float = 0.0) -> int:
+    """How many requests a cell of ``workload`` on ``fleet`` engines at rate ``scale`` (x the
+    workload's own rate; 0: sized by count alone) has (see :meth:`MatrixSpec.requests_for`; the
+    mean prompt and the rate from the workload's first requests)."""
     probe = base_workload(workload, spec.workload_seed, PROBE_REQUESTS, spec.profile)
     mean = sum(r.input_tokens for r in probe) / len(probe)
-    return spec.requests_for(fleet, mean)
+    return spec.requests_for(fleet, mean, base_rate(probe) * scale)
 
 
 def base_rate(requests: Sequence[Request]) -> float:
@@ -265,7 +284,7 @@ def run_cell_policy(
     spec: MatrixSpec, workload: str, fleet: int, kind: str, policy: str, scale: float, seed: int
 ) -> dict:
     """One policy on one cell: the compact figures."""
-    n = cell_requests(spec, workload, fleet)
+    n = cell_requests(spec, workload, fleet, scale)
     base = base_workload(workload, spec.workload_seed, n, spec.profile)
     reqs = scale_rate(base, scale)
     cfg = spec.sim_config(fleet, kind, seed)
@@ -284,8 +303,10 @@ def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
     halving from the capacity guess, then bisecting geometrically.
     Returns the probes and the baseline's run at the knee (reused as its x1 cell)."""
     seed = spec.seeds[0]
-    n = cell_requests(spec, workload, fleet)
-    base = base_workload(workload, spec.workload_seed, n, spec.profile)
+    # (each probe has as many requests as a cell at its rate: run_cell_policy)
+    base = base_workload(
+        workload, spec.workload_seed, cell_requests(spec, workload, fleet), spec.profile
+    )
     probes: dict[float, dict] = {}
 
     def attainment(scale: float) -> float:
@@ -336,11 +357,12 @@ def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
         found = knee(target, 0.0)
     assert found is not None
     hi = found[1]
+    rps = probes[hi]["rps"]
     return {
         "scale": hi,
-        "rps": round(base_rate(base) * hi, 4),
-        "rps_per_engine": round(base_rate(base) * hi / fleet, 4),
-        "requests": n,
+        "rps": rps,
+        "rps_per_engine": round(rps / fleet, 4),
+        "requests": cell_requests(spec, workload, fleet, hi),
         "light_attainment": light,
         "target_attainment": round(target, 4),
         "probes": [{"scale": k, "attainment": v["attainment"]} for k, v in sorted(probes.items())],
@@ -382,15 +404,16 @@ class _Inline:
 def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, int, str], dict]:
     """The knees of an earlier matrix document, by (workload, fleet, kind): a rerun of changed
     policies can skip calibration (round robin's knee does not depend on them). With ``spec``,
-    only from a document on the same engines (scheduler, profile, slowness)."""
+    only from a document on the same engines (scheduler, profile, slowness) whose cells
+    spanned as long (``min_window_s``: round robin's knee moves with it)."""
     doc = orjson.loads(path.read_bytes())
     if doc.get("kind") != "kvgate-matrix":
         raise ValueError(f"{path}: not a kvgate-matrix document")
     if spec is not None:
         theirs = doc.get("spec") or {}
         default = MatrixSpec()  # (what an older file that lacks a field ran on)
-        for name in ("scheduler", "profile", "slow_factor"):
-            had = theirs.get(name, getattr(default, name))
+        for name in ("scheduler", "profile", "slow_factor", "min_window_s"):
+            had = theirs.get(name, LEGACY_SPEC.get(name, getattr(default, name)))
             if had != getattr(spec, name):
                 raise ValueError(
                     f"{path}: its knees are for {name} {had!r}, not {getattr(spec, name)!r}"
@@ -426,7 +449,9 @@ def run_matrix(
         pending: dict[Future, tuple] = {}
         for combo in combos:
             known = (knees or {}).get(combo)
-            if known is not None and known["requests"] == cell_requests(spec, *combo[:2]):
+            if known is not None and known["requests"] == cell_requests(
+                spec, *combo[:2], known["scale"]
+            ):
                 fut: Future = Future()
                 fut.set_result(known)
                 pending[fut] = ("calibrate", combo)

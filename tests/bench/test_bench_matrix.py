@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -27,6 +28,9 @@ SLICE_FIELDS: dict = dict(
     rates=(1.0, 2.0),
     min_requests=300,
     max_requests=300,
+    # sized by count (CI time): 300 requests span 5-40 s on 4 engines, several times a
+    # request's time in the system for these short-answer workloads
+    min_window_s=0.0,
 )
 SLICE = MatrixSpec(**SLICE_FIELDS)
 
@@ -62,9 +66,17 @@ def test_knees_are_reused_only_on_the_same_engines(slice_doc: dict, tmp_path: Pa
     assert set(knees) == {("tool_use", 4, k) for k in ("homo", "hetero")} | {
         ("zipf_doc_qa", 4, k) for k in ("homo", "hetero")
     }
-    for change in ({"scheduler": "fcfs"}, {"slow_factor": 3.0}):
+    for change in ({"scheduler": "fcfs"}, {"slow_factor": 3.0}, {"min_window_s": 20.0}):
         with pytest.raises(ValueError, match=next(iter(change))):
             load_knees(path, MatrixSpec(**{**SLICE_FIELDS, **change}))
+    # a document from before cells had a minimum window was sized by count alone
+    legacy = dict(
+        slice_doc, spec={k: v for k, v in slice_doc["spec"].items() if k != "min_window_s"}
+    )
+    path.write_bytes(orjson.dumps(legacy))
+    assert set(load_knees(path, SLICE)) == set(knees)
+    with pytest.raises(ValueError, match="min_window_s"):
+        load_knees(path, MatrixSpec(**{**SLICE_FIELDS, "min_window_s": 20.0}))
 
 
 def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:
@@ -86,11 +98,37 @@ def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:
 def test_calibration_is_deterministic() -> None:
     spec = MatrixSpec(
         workloads=("tool_use",), policies=("round_robin",), fleets=(4,), kinds=("homo",),
-        rates=(1.0,), min_requests=200, max_requests=200,
+        rates=(1.0,), min_requests=200, max_requests=200, min_window_s=0.0,
     )  # fmt: skip
     a = calibrate(spec, "tool_use", 4, "homo")
     b = calibrate(spec, "tool_use", 4, "homo")
     assert a["scale"] == b["scale"] and a["probes"] == b["probes"]
+
+
+def test_cells_span_a_minimum_window() -> None:
+    """A cell has enough requests for ``min_window_s`` of arrivals at its rate (within the caps):
+    sized by count alone, a fast cell is a burst shorter than a request's time in the system."""
+    spec = MatrixSpec(
+        requests_per_engine=10, min_requests=100, max_requests=200, min_window_s=20.0,
+        max_window_requests=1000,
+    )  # fmt: skip
+    assert spec.requests_for(4) == 100  # (rate unknown: by count)
+    assert spec.requests_for(4, rps=2.0) == 100  # 100 requests span 50 s already
+    assert spec.requests_for(4, rps=30.0) == 600
+    assert spec.requests_for(4, rps=100.0) == 1000  # the window's cap
+    assert spec.requests_for(4, mean_input_tokens=1e6, rps=100.0) == 100  # the token cap wins
+    assert replace(spec, min_window_s=0.0).requests_for(4, rps=100.0) == 100
+    with pytest.raises(ValueError, match="min_window_s"):
+        MatrixSpec(min_window_s=-1.0)
+    # the knee's cells and probes have as many requests as their rate needs
+    small = MatrixSpec(
+        workloads=("tool_use",), policies=("round_robin",), fleets=(4,), kinds=("homo",),
+        rates=(1.0,), min_requests=100, max_requests=100, min_window_s=8.0,
+    )  # fmt: skip
+    knee = calibrate(small, "tool_use", 4, "homo")
+    assert knee["requests"] > 100
+    assert knee["requests"] / knee["rps"] >= 0.9 * small.min_window_s
+    assert knee["baseline_run"]["requests"] == knee["requests"]
 
 
 def _run(
