@@ -137,8 +137,7 @@ class MatrixSpec:
         ``rps`` (0: unknown): enough for ``min_window_s`` of arrivals, within the caps (the
         prompt-token cap bounds the simulator's work, and wins)."""
         n = max(self.min_requests, min(self.max_requests, self.requests_per_engine * fleet))
-        if rps > 0 and self.min_window_s > 0:
-            n = max(n, min(self.max_window_requests, math.ceil(rps * self.min_window_s)))
+        n = max(n, min(self.max_window_requests, math.ceil(rps * self.min_window_s)))
         if mean_input_tokens > 0:
             n = min(n, max(int(self.max_prompt_tokens / mean_input_tokens), 100))
         return n
