@@ -112,8 +112,8 @@ class TtftPredictor:
         minimising relative error; below the grid's first point the floor takes over."""
         grid = sorted({max(1, max_tokens * i // points) for i in range(1, points + 1)})
         samples = [(n, profile.prefill_ms(n, 0)) for n in grid]
-        # A prefill never costs less than a one-token one (the default profile dips to ~0 ms
-        # near 383 tokens, an artefact of its piecewise fit that must not steer the cubic).
+        # A prefill never costs less than a one-token one (profiles are checked to grow with
+        # tokens; the floor keeps the cubic from dipping below it at the grid's low end).
         floor = profile.prefill_ms(1, 0) or min((ms for _, ms in samples if ms > 0), default=1.0)
         scale = float(max_tokens)
         rows = [(1.0, n / scale, (n / scale) ** 2, (n / scale) ** 3) for n, _ in samples]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import orjson
 
 from engine.costs import least_squares
-from kvgate.cost_model import CostProfile, PrefillSegment
+from kvgate.cost_model import CostProfile, PrefillSegment, ProfileError
 
 
 class FitError(ValueError):
@@ -120,7 +120,29 @@ def fit_profile(
         raise FitError(f"the measurements do not determine the model: {exc}") from None
     seg = tuple(pc[: prefill_degree + 1])
     attn_c, attn_nc = (pc[-2], pc[-1]) if has_context else (0.0, 0.0)
-    profile = CostProfile(
+    try:
+        profile = _fitted(samples, name, base, seg, attn_c, attn_nc, dc)
+    except ProfileError as exc:  # e.g. a quadratic that turns down within the checked range
+        raise FitError(
+            f"the fitted prefill curve is not usable ({exc}); try --prefill-degree 1"
+        ) from None
+    quality = {
+        "prefill_rms_ms": _rms([profile.prefill_ms(n, c) - ms for n, c, ms in samples.prefill]),
+        "decode_rms_ms": _rms([profile.decode_step_ms(b, x) - ms for b, x, ms in samples.decode]),
+    }
+    return profile, quality
+
+
+def _fitted(
+    samples: Samples,
+    name: str,
+    base: CostProfile,
+    seg: tuple[float, ...],
+    attn_c: float,
+    attn_nc: float,
+    dc: list[float],
+) -> CostProfile:
+    return CostProfile(
         name=name,
         description=(
             f"Fit by kvgate engine fit-profile from {len(samples.prefill)} prefill and "
@@ -142,8 +164,3 @@ def fit_profile(
         max_batch_tokens=base.max_batch_tokens,
         max_running=base.max_running,
     )
-    quality = {
-        "prefill_rms_ms": _rms([profile.prefill_ms(n, c) - ms for n, c, ms in samples.prefill]),
-        "decode_rms_ms": _rms([profile.decode_step_ms(b, x) - ms for b, x, ms in samples.decode]),
-    }
-    return profile, quality

@@ -10,9 +10,14 @@ Prefill time for ``n`` new tokens after ``c`` cached tokens of context, in ms (P
     attn(n,c) = a_n n + a_c c + a_nc n c      when n c > attn_threshold, else 0
     prefill(n, c) = (base(n) + attn(n, c)) / efficiency
 
-Default profile (Preble, Mistral-7B on A6000): segments ``n >= 384: 0.10842571 n + 4.2098``,
-``192 <= n < 384: -118 + 1.25 n - 2.56e-3 n^2``, else 22; attention term
-``1.13e-3 n + 1.75e-3 c + 2.19e-6 n c`` when ``n c > 1024^2``; efficiency 0.9.
+Default profile (Preble, Mistral-7B on A6000): segments ``n >= 165: 0.10842571 n + 4.2098``,
+else 22; attention term ``1.13e-3 n + 1.75e-3 c + 2.19e-6 n c`` when ``n c > 1024^2``;
+efficiency 0.9. Preble's released fit has a third piece, ``-118 + 1.25 n - 2.56e-3 n^2`` for
+``192 <= n < 384`` (its linear one starting at 384), which falls from 33 ms at 200 tokens to 0
+at 381: a fit artefact (a prefill never gets faster with more tokens) that let the simulated
+engine run such batches for free and the router predict them free. kvgate extends the linear
+piece down to where it meets the 22-ms floor instead, and rejects any profile whose prefill
+time falls as tokens grow.
 
 Decode step time for a batch of ``B`` requests with mean context ``L`` tokens, in ms (SCORPIO's
 ``EstTPOT``)::
@@ -46,6 +51,9 @@ import orjson
 # source path)
 PROFILE_DIR = Path(str(importlib.resources.files("kvgate"))) / "profiles"
 DEFAULT_PROFILE = "mistral-7b-a6000"
+
+
+MONOTONE_CHECK_TOKENS = 131_072  # prefill curves are checked to grow up to here
 
 
 class ProfileError(ValueError):
@@ -101,6 +109,27 @@ class CostProfile:
         ):
             if not value > 0:
                 raise ProfileError(f"{self.name}: {what} must be positive")
+        self._check_prefill_grows()
+
+    def _check_prefill_grows(self) -> None:
+        """Reject a prefill curve that falls as tokens grow (checked at every token count to
+        1,024 and at each segment's boundary, then every 16 tokens to ``MONOTONE_CHECK_TOKENS``):
+        Preble's released fit did, to 0 ms near 383 tokens, and a simulated engine ran such
+        batches for free while the router predicted them free."""
+        points = set(range(1, 1025)) | set(range(1024, MONOTONE_CHECK_TOKENS + 1, 16))
+        for seg in self.segments:
+            if seg.min_tokens > 0:
+                points |= {seg.min_tokens - 1, seg.min_tokens}
+        prev_n, prev_ms = 0, 0.0
+        for n in sorted(points):
+            ms = self.prefill_ms(n)
+            if ms < prev_ms - 1e-9 * max(prev_ms, 1.0):
+                raise ProfileError(
+                    f"{self.name}: prefill time falls as tokens grow ({prev_ms:.2f} ms at "
+                    f"{prev_n} tokens, {ms:.2f} ms at {n}): correct the segments or refit "
+                    "(kvgate engine fit-profile)"
+                )
+            prev_n, prev_ms = n, ms
 
     # ------------------------------------------------------------------ prefill
 

@@ -10,6 +10,7 @@ from engine_reporter.hashing import ROOT, block_hash, chain_hashes, split_blocks
 from kvgate.cost_model import (
     MIN_PREFILL_SHARE,
     CostProfile,
+    PrefillSegment,
     ProfileError,
     default_profile,
     load_profile,
@@ -37,7 +38,9 @@ def test_block_hash_is_stable_and_chained() -> None:
 def test_default_profile_matches_preble_equation() -> None:
     p = default_profile()
     assert p.prefill_ms(100) == pytest.approx(22 / 0.9)
-    assert p.prefill_ms(200) == pytest.approx((-118 + 1.25 * 200 - 2.56e-3 * 200**2) / 0.9)
+    # Preble's linear piece, extended down to its 22-ms floor (its 192-383 quadratic dropped)
+    assert p.prefill_ms(200) == pytest.approx((0.10842571 * 200 + 4.2098) / 0.9)
+    assert p.prefill_ms(164) == pytest.approx(22 / 0.9)
     n, c = 1000, 2000  # n c > 1024^2: attention term applies
     expect = 0.10842571 * n + 4.2098 + 1.13e-3 * n + 1.75e-3 * c + 2.19e-6 * n * c
     assert p.prefill_ms(n, c) == pytest.approx(expect / 0.9)
@@ -189,3 +192,21 @@ def test_slowed_profiles_by_name() -> None:
         load_profile("mistral-7b-a6000@xfast")
     with pytest.raises(ProfileError, match="positive"):
         load_profile("mistral-7b-a6000@x0")
+
+
+def test_a_prefill_curve_that_falls_with_more_tokens_is_rejected() -> None:
+    # Preble's released fit: its quadratic piece falls from 33 ms at 200 tokens to 0 at 381
+    released = (
+        PrefillSegment(384, (4.2098, 0.10842571)),
+        PrefillSegment(192, (-118.0, 1.25, -2.56e-3)),
+        PrefillSegment(0, (22.0,)),
+    )
+    with pytest.raises(ProfileError, match="prefill time falls as tokens grow"):
+        CostProfile("preble-released", released)
+    # a jump down at a segment's boundary is caught too
+    with pytest.raises(ProfileError, match="at 384"):
+        CostProfile("step-down", (PrefillSegment(384, (10.0,)), PrefillSegment(0, (22.0,))))
+    # every shipped profile grows, at every speed
+    for name in ("mistral-7b-a6000", "vllm-cpu-small", "vllm-cpu-tiny"):
+        prof = load_profile(name)
+        assert prof.slowed(2.0).prefill_ms(383) >= prof.slowed(2.0).prefill_ms(300)

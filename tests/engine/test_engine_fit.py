@@ -71,3 +71,15 @@ def test_fit_profile_cli_writes_a_loadable_profile(tmp_path) -> None:
     loaded = load_profile(str(out))
     assert isinstance(loaded, CostProfile) and loaded.name == "gpu-x"
     assert loaded.decode_d == pytest.approx(12.0)
+
+
+def test_a_fit_whose_prefill_curve_turns_down_is_refused() -> None:
+    rows = [
+        orjson.dumps({"new_tokens": n, "prefill_ms": 5.0 + 0.05 * n - 1e-5 * n * n})
+        for n in (64, 256, 1024, 2048, 4096)
+    ]
+    rows += _rows(0.0)[24:]  # the decode rows
+    with pytest.raises(FitError, match="prefill-degree 1"):
+        fit_profile(read_samples(rows), "bent", default_profile())
+    profile, _ = fit_profile(read_samples(rows), "straight", default_profile(), prefill_degree=1)
+    assert profile.prefill_ms(8192) > profile.prefill_ms(4096)
