@@ -68,6 +68,34 @@ class PrefillSegment:
     coef: tuple[float, ...]
 
 
+def base_prefill_ms(segments: tuple[PrefillSegment, ...], n: float) -> float:
+    """The segments' curve at ``n`` new tokens (no context, before efficiency), at least 0.
+    (:meth:`CostProfile.prefill_ms` evaluates the same inline: it is on the hot path.)"""
+    for seg in segments:
+        if n >= seg.min_tokens:
+            return max(sum(k * n**i for i, k in enumerate(seg.coef)), 0.0)
+    return 0.0
+
+
+@cache
+def first_fall(segments: tuple[PrefillSegment, ...]) -> tuple[int, float, int, float] | None:
+    """Where a prefill curve falls as tokens grow: ``(n1, base at n1, n2, base at n2)`` with
+    ``n1 < n2`` and a lower base at ``n2``, or None. Checked at every token count to 1,024 and
+    at each segment's boundary, then every 16 tokens to ``MONOTONE_CHECK_TOKENS`` (once per
+    distinct curve: speed variants and refits share it)."""
+    points = set(range(1, 1025)) | set(range(1024, MONOTONE_CHECK_TOKENS + 1, 16))
+    for seg in segments:
+        if seg.min_tokens > 0:
+            points |= {seg.min_tokens - 1, seg.min_tokens}
+    prev_n, prev = 0, 0.0
+    for n in sorted(points):
+        cur = base_prefill_ms(segments, n)
+        if cur < prev - 1e-9 * max(prev, 1.0):
+            return prev_n, prev, n, cur
+        prev_n, prev = n, cur
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class CostProfile:
     """How fast one type of engine is (see the module docstring for the formulas)."""
@@ -112,24 +140,18 @@ class CostProfile:
         self._check_prefill_grows()
 
     def _check_prefill_grows(self) -> None:
-        """Reject a prefill curve that falls as tokens grow (checked at every token count to
-        1,024 and at each segment's boundary, then every 16 tokens to ``MONOTONE_CHECK_TOKENS``):
-        Preble's released fit did, to 0 ms near 383 tokens, and a simulated engine ran such
-        batches for free while the router predicted them free."""
-        points = set(range(1, 1025)) | set(range(1024, MONOTONE_CHECK_TOKENS + 1, 16))
-        for seg in self.segments:
-            if seg.min_tokens > 0:
-                points |= {seg.min_tokens - 1, seg.min_tokens}
-        prev_n, prev_ms = 0, 0.0
-        for n in sorted(points):
-            ms = self.prefill_ms(n)
-            if ms < prev_ms - 1e-9 * max(prev_ms, 1.0):
-                raise ProfileError(
-                    f"{self.name}: prefill time falls as tokens grow ({prev_ms:.2f} ms at "
-                    f"{prev_n} tokens, {ms:.2f} ms at {n}): correct the segments or refit "
-                    "(kvgate engine fit-profile)"
-                )
-            prev_n, prev_ms = n, ms
+        """Reject a prefill curve that falls as tokens grow (:func:`first_fall`): Preble's
+        released fit did, to 0 ms near 383 tokens, and a simulated engine ran such batches for
+        free while the router predicted them free."""
+        fall = first_fall(self.segments)
+        if fall is not None:
+            n1, ms1, n2, ms2 = fall
+            eff = self.efficiency
+            raise ProfileError(
+                f"{self.name}: prefill time falls as tokens grow ({ms1 / eff:.2f} ms at {n1} "
+                f"tokens, {ms2 / eff:.2f} ms at {n2}): correct the segments or refit "
+                "(kvgate engine fit-profile)"
+            )
 
     # ------------------------------------------------------------------ prefill
 
