@@ -39,6 +39,7 @@ Everything is seeded: a run is a pure function of its inputs (``tests/bench``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sys
@@ -83,6 +84,18 @@ PROBE_REQUESTS = 200  # requests a workload's mean prompt length is read from
 LINK_JITTER_S = 0.001
 # what a matrix document saved before a field existed ran with, where not the field's default
 LEGACY_SPEC = {"min_window_s": 0.0}
+# the engines' cost profile a document without ``profile_digest`` ran on: the default profile
+# with Preble's released prefill curve (until the eighteenth session), a digest no profile
+# kvgate ships has now
+LEGACY_PROFILE_DIGEST = "preble-released-curve"
+
+
+def profile_digest(profile: str) -> str:
+    """A fingerprint of what the profile named ``profile`` says (its name alone does not
+    change when its curve does): round robin's knee moves with the engines' speed."""
+    data = load_profile(profile).to_dict()
+    data.pop("description", None)
+    return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,8 +416,8 @@ class _Inline:
 def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, int, str], dict]:
     """The knees of an earlier matrix document, by (workload, fleet, kind): a rerun of changed
     policies can skip calibration (round robin's knee does not depend on them). With ``spec``,
-    only from a document on the same engines (scheduler, profile, slowness) whose cells
-    spanned as long (``min_window_s``: round robin's knee moves with it)."""
+    only from a document on the same engines (scheduler, profile and what it says, slowness)
+    whose cells spanned as long (``min_window_s``: round robin's knee moves with it)."""
     doc = orjson.loads(path.read_bytes())
     if doc.get("kind") != "kvgate-matrix":
         raise ValueError(f"{path}: not a kvgate-matrix document")
@@ -417,6 +430,12 @@ def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, in
                 raise ValueError(
                     f"{path}: its knees are for {name} {had!r}, not {getattr(spec, name)!r}"
                 )
+        digest = doc.get("profile_digest", LEGACY_PROFILE_DIGEST)
+        if digest != profile_digest(spec.profile):
+            raise ValueError(
+                f"{path}: its knees are for another version of profile {spec.profile!r} "
+                f"(profile_digest {digest!r}; the profile's curve changed since)"
+            )
     return {(e["workload"], e["fleet"], e["kind"]): e["knee"] for e in doc["combos"]}
 
 
@@ -436,6 +455,7 @@ def run_matrix(
     doc: dict = {
         "kind": "kvgate-matrix",
         "spec": asdict(spec),
+        "profile_digest": profile_digest(spec.profile),
         "combos": [],
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
     }

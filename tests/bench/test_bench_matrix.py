@@ -16,6 +16,7 @@ from bench.matrix import (
     format_verdict,
     heatmap_grid,
     load_knees,
+    profile_digest,
     run_matrix,
     verdict,
 )
@@ -77,6 +78,17 @@ def test_knees_are_reused_only_on_the_same_engines(slice_doc: dict, tmp_path: Pa
     assert set(load_knees(path, SLICE)) == set(knees)
     with pytest.raises(ValueError, match="min_window_s"):
         load_knees(path, MatrixSpec(**{**SLICE_FIELDS, "min_window_s": 20.0}))
+    # the profile's name stays when its curve changes: a document records what it said, and
+    # one without the record ran on Preble's released curve (before the eighteenth session)
+    assert slice_doc["profile_digest"] == profile_digest(SLICE.profile)
+    for digest in (None, "0123456789abcdef"):
+        other = {k: v for k, v in slice_doc.items() if k != "profile_digest"}
+        if digest is not None:
+            other["profile_digest"] = digest
+        path.write_bytes(orjson.dumps(other))
+        with pytest.raises(ValueError, match="another version of profile"):
+            load_knees(path, SLICE)
+    assert profile_digest("mistral-7b-a6000@x2") != profile_digest("mistral-7b-a6000")
 
 
 def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:
