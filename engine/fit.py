@@ -120,9 +120,30 @@ def fit_profile(
         raise FitError(f"the measurements do not determine the model: {exc}") from None
     seg = tuple(pc[: prefill_degree + 1])
     attn_c, attn_nc = (pc[-2], pc[-1]) if has_context else (0.0, 0.0)
-    try:
-        profile = _fitted(samples, name, base, seg, attn_c, attn_nc, dc)
-    except ProfileError as exc:  # e.g. a quadratic that turns down within the checked range
+    try:  # (the profile refuses a prefill curve that turns down within its checked range)
+        profile = CostProfile(
+            name=name,
+            description=(
+                f"Fit by kvgate engine fit-profile from {len(samples.prefill)} prefill and "
+                f"{len(samples.decode)} decode measurements; capacity from {base.name}."
+            ),
+            segments=(PrefillSegment(0, seg),),
+            attn_threshold=0.0,
+            attn_n=0.0,
+            attn_c=attn_c,
+            attn_nc=attn_nc,
+            efficiency=1.0,
+            decode_a=dc[0],
+            decode_b=dc[1],
+            decode_c=dc[2],
+            decode_d=dc[3],
+            kv_blocks=base.kv_blocks,
+            block_tokens=base.block_tokens,
+            bytes_per_token=base.bytes_per_token,
+            max_batch_tokens=base.max_batch_tokens,
+            max_running=base.max_running,
+        )
+    except ProfileError as exc:
         raise FitError(
             f"the fitted prefill curve is not usable ({exc}); try --prefill-degree 1"
         ) from None
@@ -131,36 +152,3 @@ def fit_profile(
         "decode_rms_ms": _rms([profile.decode_step_ms(b, x) - ms for b, x, ms in samples.decode]),
     }
     return profile, quality
-
-
-def _fitted(
-    samples: Samples,
-    name: str,
-    base: CostProfile,
-    seg: tuple[float, ...],
-    attn_c: float,
-    attn_nc: float,
-    dc: list[float],
-) -> CostProfile:
-    return CostProfile(
-        name=name,
-        description=(
-            f"Fit by kvgate engine fit-profile from {len(samples.prefill)} prefill and "
-            f"{len(samples.decode)} decode measurements; capacity from {base.name}."
-        ),
-        segments=(PrefillSegment(0, seg),),
-        attn_threshold=0.0,
-        attn_n=0.0,
-        attn_c=attn_c,
-        attn_nc=attn_nc,
-        efficiency=1.0,
-        decode_a=dc[0],
-        decode_b=dc[1],
-        decode_c=dc[2],
-        decode_d=dc[3],
-        kv_blocks=base.kv_blocks,
-        block_tokens=base.block_tokens,
-        bytes_per_token=base.bytes_per_token,
-        max_batch_tokens=base.max_batch_tokens,
-        max_running=base.max_running,
-    )

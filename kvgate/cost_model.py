@@ -68,13 +68,18 @@ class PrefillSegment:
     coef: tuple[float, ...]
 
 
-def base_prefill_ms(segments: tuple[PrefillSegment, ...], n: float) -> float:
-    """The segments' curve at ``n`` new tokens (no context, before efficiency), at least 0.
-    (:meth:`CostProfile.prefill_ms` evaluates the same inline: it is on the hot path.)"""
+def segments_ms(segments: tuple[PrefillSegment, ...], n: float) -> float:
+    """The polynomial of the first segment whose ``min_tokens <= n``, at ``n`` new tokens (no
+    context, before efficiency; may be negative: :meth:`CostProfile.prefill_ms` clamps)."""
+    base = 0.0
     for seg in segments:
         if n >= seg.min_tokens:
-            return max(sum(k * n**i for i, k in enumerate(seg.coef)), 0.0)
-    return 0.0
+            p = 1.0
+            for k in seg.coef:
+                base += k * p
+                p *= n
+            break
+    return base
 
 
 @cache
@@ -89,7 +94,7 @@ def first_fall(segments: tuple[PrefillSegment, ...]) -> tuple[int, float, int, f
             points |= {seg.min_tokens - 1, seg.min_tokens}
     prev_n, prev = 0, 0.0
     for n in sorted(points):
-        cur = base_prefill_ms(segments, n)
+        cur = max(segments_ms(segments, n), 0.0)
         if cur < prev - 1e-9 * max(prev, 1.0):
             return prev_n, prev, n, cur
         prev_n, prev = n, cur
@@ -161,14 +166,7 @@ class CostProfile:
         if n <= 0:
             return 0.0
         c = max(float(context_tokens), 0.0)
-        base = 0.0
-        for seg in self.segments:
-            if n >= seg.min_tokens:
-                p = 1.0
-                for k in seg.coef:
-                    base += k * p
-                    p *= n
-                break
+        base = segments_ms(self.segments, n)
         if n * c > self.attn_threshold:
             base += self.attn_n * n + self.attn_c * c + self.attn_nc * n * c
         return max(base, 0.0) / self.efficiency
