@@ -149,8 +149,10 @@ class Estimate:
         floor_share: float | None = None,
         floor_admit_ms: float | None = None,
         own_work_ms: float | None = None,
+        place_ms: float = 0.0,
     ) -> None:
-        self.decode_harm = decode_harm  # ms its decode will add to later requests' prefill
+        # ms its decode will add to later requests (their prefill, or their wait for a place)
+        self.decode_harm = decode_harm
         self.credited = credited  # key bytes counted as cached there
         self.behind = behind  # queued requests due later, which its prefill would delay
         self.queue_ms = queue_ms
@@ -175,6 +177,14 @@ class Estimate:
         # requests expected to arrive there before its queue drains (a busy period stretches
         # by 1 / (1 - utilization), overtakers or not): its prefill delays them too
         self.arrivals = rate_per_s * (wait + admit_ms) / 1000.0 / (1.0 - busy)
+        if place_ms > 0.0:
+            # requests wait there for a place in the decode batch (SCORPIO's admission): the
+            # place this one takes delays every request that arrives before that line drains,
+            # as its prefill delays those arriving before the prefill queue drains (a busy
+            # period of the places, their utilization the rate x the time each one adds)
+            places_busy = min(rate_per_s * place_ms / 1000.0, CONGESTED)
+            waiting = rate_per_s * admit_ms / 1000.0 / (1.0 - places_busy)
+            self.decode_harm = max(decode_harm, place_ms * (1.0 + waiting))
 
     def excess_ms(self, ttft_slo_ms: float) -> float:
         """By how much the request would miss its SLO here even if nothing overtook it (0: it
@@ -369,6 +379,9 @@ def estimate(
         # every request in flight there holds or awaits a place in the virtual batch (an
         # arrival-order engine has no VBS admission: it starts what its KV memory holds)
         admit = _vbs_wait_ms(ev, view, now, batch, ev.inflight, capacity, t_min, slo.tpot_ms)
+    # waiting for a place, it will hold one for its output's decode (max_tokens steps): of
+    # ``capacity`` places one frees every decode time / capacity, the delay it adds to the line
+    place = req.max_tokens * step / capacity if admit > 0.0 and capacity > 0 else 0.0
     # its decode takes a place in the engine's decode batch for its output tokens, and a
     # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
     # congestion factor of the batch's fill), for the requests that will need a place
@@ -400,6 +413,7 @@ def estimate(
         floor_share,
         floor_admit,
         own_work,
+        place,
     )
 
 

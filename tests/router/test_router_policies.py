@@ -560,6 +560,36 @@ def test_e2_waits_for_vbs_admission_on_a_full_decoder() -> None:
     assert waited - {c.engine_id: c for c in d.candidates}["a"].load_ms == pytest.approx(2990.0)
 
 
+def test_a_place_in_a_full_decode_batch_is_charged_to_the_requests_waiting_for_one() -> None:
+    """Where requests wait for a place in the decode batch (SCORPIO's admission), the place a
+    request takes delays every one that arrives before that line drains: the more requests the
+    engine is taking, the dearer. A hot document's only holder with its batch full otherwise
+    kept its requests (a prefill of a few ms there) at several times their TTFT SLO."""
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
+    full = ev("a", inflight=40, open_ctx=40 * 12_000.0, hb=_hb(vbs=40.0, running=40))
+    view = FakeView([full], releases={"a": 3000.0})
+    quiet = estimate(full, ctx(slo=slo), 0, view, 0.0, {})
+    busy_view = FakeView([replace(full, rate_per_s=5.0)], releases={"a": 3000.0})
+    busy = estimate(busy_view.engines[0], ctx(slo=slo), 0, busy_view, 0.0, {})
+    assert quiet.admit_ms >= 3000.0 and busy.admit_ms == pytest.approx(quiet.admit_ms)
+    # 5 requests a second over a 3 s wait: at least 15 later requests each wait one place more
+    assert busy.decode_harm > 10 * quiet.decode_harm
+    # no wait for a place: only the batch's fill is priced, whatever the rate
+    free = FakeView([replace(full, rate_per_s=5.0)], releases={"a": 0.0})
+    assert estimate(free.engines[0], ctx(slo=slo), 0, free, 0.0, {}).decode_harm == (
+        pytest.approx(quiet.decode_harm)
+    )
+    # so a document's admission-bound holder loses it to an engine that prefills it (b, as
+    # busy, has a queue: its prefill there delays ~11 later requests, ~16 s in all; priced by
+    # the batch's fill alone, the holder cost ~8 s)
+    holder = replace(full, rate_per_s=5.0)
+    other = replace(ev("b", hb=_hb(queued=8_000)), rate_per_s=5.0)
+    view = FakeView([holder, other], matched={"a": 39_000}, releases={"a": 3000.0})
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "b"
+    view.releases["a"] = 0.0  # a place free at once: the holder keeps it
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "a"
+
+
 def test_requests_queued_but_not_decoding_yet_slow_the_prefill_behind_them() -> None:
     """In a burst nothing decodes yet where the router just sent eight requests, but each of
     them decodes while a request queued behind them prefills: prefill's share of the GPU is
