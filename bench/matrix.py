@@ -644,6 +644,7 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
     served_over: list[str] = []
     no_p99: list[str] = []
     spread_fail: list[str] = []
+    spread_served: list[str] = []
     over_13: list[str] = []
     seeded = 0
     seed_fail: list[str] = []
@@ -689,13 +690,17 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
                 over_13.append(name)
             # the spread is paid for when it buys hits that beat the balanced baseline: a
             # higher hit rate than round robin's with at least its attainment and at most its p99
-            hits_pay = rr is not None and (
-                me["hit_rate"] > rr["hit_rate"] + 0.01
-                and me["attainment"] >= rr["attainment"]
-                and _p99(me) <= _p99(rr)
+            # of all requests (the every-cell check's figure, for its reason: round robin's
+            # engines refuse the slowest first tokens, so the p99 of what they serve is low;
+            # both infinite: judged on hits and attainment)
+            hits_better = rr is not None and (
+                me["hit_rate"] > rr["hit_rate"] + 0.01 and me["attainment"] >= rr["attainment"]
             )
-            if lmm is not None and lmm > floor and not hits_pay:
-                spread_fail.append(f"{name}: load max/mean {lmm:.2f} (round robin {floor:.2f})")
+            if lmm is not None and lmm > floor:
+                if not (hits_better and _p99_all(me) <= _p99_all(rr)):
+                    spread_fail.append(f"{name}: load max/mean {lmm:.2f} (round robin {floor:.2f})")
+                if not (hits_better and _p99(me) <= _p99(rr)):
+                    spread_served.append(name)
             seeds = sorted({r["seed"] for r in cell["runs"]})
             if len(seeds) > 1:
                 seeded += 1
@@ -717,6 +722,9 @@ def verdict(spec: MatrixSpec, combos: Sequence[dict], subject: str = SUBJECT) ->
         "round_robin_below_90_cells": len(ratios_rr),
         "load_spread_failed": spread_fail,
         "load_over_1_3": over_13,  # before the floor and the hit-rate excuse
+        # the rule until the twentieth session, for the record: hits paid only with a p99 of
+        # served requests at most round robin's
+        "load_spread_failed_by_served_p99": spread_served,
         "seed_spread_failed": seed_fail,
         "seeded_cells": seeded,
         "passed": {
@@ -774,7 +782,9 @@ def format_verdict(v: dict) -> str:
         f"{'PASS' if p['geomean_vs_round_robin'] else 'FAIL'})",
         f"  load max/mean <= max(1.3, round robin's) unless hits pay: "
         f"{'PASS' if p['load_spread'] else 'FAIL'} ({len(v['load_spread_failed'])} failed; "
-        f"{len(v.get('load_over_1_3', []))} cells over 1.3)",
+        f"{len(v.get('load_over_1_3', []))} cells over 1.3; "
+        f"{len(v.get('load_spread_failed_by_served_p99', []))} if hits pay only with a p99 of "
+        f"served requests at most round robin's)",
         "  attainment within 1 pt across seeds: "
         + (
             f"{'PASS' if p['seeds'] else 'FAIL'} ({len(v['seed_spread_failed'])} of "

@@ -198,6 +198,29 @@ def test_verdict_judges_cells_geomeans_spread_and_seeds() -> None:
     assert "FAIL" in format_verdict(v)
 
 
+def test_a_load_spread_is_paid_by_hits_judged_on_the_p99_of_all_requests() -> None:
+    """More hits than round robin at no less attainment pay for a spread; the latency side is
+    the p99 of all requests (round robin's engines refuse the slowest first tokens, so the p99
+    of what they serve is low): both infinite, hits and attainment decide."""
+
+    def cell(e2_all: float | None, rr_all: float | None) -> dict:
+        return {
+            "rate": 1.0,
+            "runs": [
+                _run("e2", 0.86, 6000.0, hit=0.20, load=1.5, p99_all=e2_all),
+                _run("round_robin", 0.68, 5000.0, hit=0.06, load=1.1, p99_all=rr_all),
+            ],
+        }
+
+    v = verdict(SLICE, _doc([cell(None, None)]))  # neither answers 99%
+    assert v["passed"]["load_spread"]
+    assert len(v["load_spread_failed_by_served_p99"]) == 1  # served: 6000 > 5000
+    v = verdict(SLICE, _doc([cell(None, 5000.0)]))  # round robin answers 99%, e2 does not
+    assert not v["passed"]["load_spread"]
+    v = verdict(SLICE, _doc([cell(4000.0, 5000.0)]))
+    assert v["passed"]["load_spread"]
+
+
 def test_heatmap_grid_and_drawing(slice_doc: dict, tmp_path: Path) -> None:
     rows, cols, grid = heatmap_grid(slice_doc, "attainment")
     assert rows == ["tool_use (hetero)", "tool_use (homo)", "zipf_doc_qa (hetero)",
