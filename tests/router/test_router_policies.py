@@ -579,6 +579,11 @@ def test_a_place_in_a_full_decode_batch_is_charged_to_the_requests_waiting_for_o
     assert estimate(free.engines[0], ctx(slo=slo), 0, free, 0.0, {}).decode_harm == (
         pytest.approx(quiet.decode_harm)
     )
+    # an engine serving in arrival order (vLLM) has no such admission: no place to charge
+    fifo = FakeView([replace(full, rate_per_s=5.0, arrival_order=True)], releases={"a": 3000.0})
+    assert estimate(fifo.engines[0], ctx(slo=slo), 0, fifo, 0.0, {}).decode_harm == (
+        pytest.approx(quiet.decode_harm)
+    )
     # so a document's admission-bound holder loses it to an engine that prefills it (b, as
     # busy, has a queue: its prefill there delays ~11 later requests, ~16 s in all; priced by
     # the batch's fill alone, the holder cost ~8 s)
