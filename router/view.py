@@ -54,16 +54,17 @@ class View:
             return None
         return eng.view or self._cluster.engine_view(eng)
 
-    def by_load(self) -> Iterator[EngineView]:
-        """Candidates by ``(load_ms, position)``, ascending (``position`` is the registration
-        order, the order of :attr:`engines`). Lazy: reading the first few costs a few steps, not
-        a pass over every engine (the most loaded: :meth:`load_extremes`)."""
+    def by_load(self, window: bool = False) -> Iterator[EngineView]:
+        """Candidates by ``(load_ms, position)`` (``window``: ``window_ms``), ascending
+        (``position`` is the registration order, the order of :attr:`engines`). Lazy: reading
+        the first few costs a few steps, not a pass over every engine (the most loaded:
+        :meth:`load_extremes`)."""
         cl = self._cluster
         cl._sync_loads()
         eligible = self._eligible
         exclude = self._exclude
         view = cl.engine_view
-        for engine_id in cl._by_load.ids:
+        for engine_id in (cl._by_window if window else cl._by_load).ids:
             eng = eligible.get(engine_id)
             if eng is not None and engine_id not in exclude:
                 yield eng.view or view(eng)

@@ -24,6 +24,7 @@ ALIASES: dict[str, str] = {
     "e2-feasible-first": "e2[prefer_feasible=true]",
     "e2-pd": "e2[pd_balance=true]",
     "e2-rebalance": "e2[rebalance=true]",
+    "e2-no-rebalance": "e2[rebalance=false]",
     "e2-admission": "e2[shed_expected=true]",
 }
 

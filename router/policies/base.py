@@ -253,9 +253,9 @@ class ClusterView(Protocol):
         """The candidate ``engine_id`` (None when it is not one): cheap lookups by id."""
         ...
 
-    def by_load(self) -> Iterator[EngineView]:
-        """The candidates by ``(load_ms, position)``, ascending, lazily: policies read the first
-        few instead of scoring all."""
+    def by_load(self, window: bool = False) -> Iterator[EngineView]:
+        """The candidates by ``(load_ms, position)`` (``window``: ``window_ms``), ascending,
+        lazily: policies read the first few instead of scoring all."""
         ...
 
     def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
