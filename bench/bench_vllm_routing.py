@@ -29,7 +29,7 @@ seeds, no vLLM needed: three engines of ``--profile`` serving in arrival order (
 scheduler) with the profile's KV blocks, Poisson arrivals at ``--sim-rate`` (the live runs'
 pace at concurrency 4). It measures how often a router lets one engine take over 45% of the
 requests, and at what hit rate, over many workloads instead of one (the simulated engine's
-model: ``docs/simulator.md``). Saves ``results/vllm_routing_replica.json``.
+model: ``docs/bench.md``). Saves ``results/vllm_routing_replica.json``.
 """
 
 from __future__ import annotations
