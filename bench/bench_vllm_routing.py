@@ -46,9 +46,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from array import array
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from bench.cli import _names
@@ -57,6 +59,7 @@ from bench.sim.policies import parse_policy
 from bench.sim.runner import SimConfig, run_one
 from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf
+from engine_reporter.hashing import chain_hashes, split_blocks
 from engine_reporter.vllm.metrics import parse_metrics
 from kvgate.cost_model import CostProfile, load_profile
 
@@ -192,7 +195,7 @@ def workload(args: argparse.Namespace) -> list[str]:
     """The prompts: a Zipf-popular document of about ``doc_tokens`` tokens (sized with the
     model's own tokenizer: the tiny model serves 512 tokens at most) and a unique question
     each (seeded)."""
-    tok = _tokenizer(args)
+    tok = _tokenizer(args.model_dir)
     rng = random.Random(f"vllm-routing:{args.seed}")
     docs = []
     for d in range(args.documents):
@@ -208,33 +211,35 @@ def workload(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _tokenizer(args: argparse.Namespace):
+@cache
+def _tokenizer(model_dir: str):
+    """The model's tokenizer (read once: the workload and the one-copy ceiling both use it)."""
     import tokenizers
 
-    return tokenizers.Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
+    return tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
 
 
 def token_ids(args: argparse.Namespace, prompts: list[str]) -> list[list[int]]:
     """The prompts as the model's tokenizer encodes them (special tokens included, as vLLM
     does)."""
-    tok = _tokenizer(args)
+    tok = _tokenizer(args.model_dir)
     return [tok.encode(p).ids for p in prompts]
 
 
 def one_copy_hit_rate(token_ids: list[list[int]], block_tokens: int) -> float:
-    """The hit rate if each request found every earlier request's tokens cached (one copy of
-    everything, nothing evicted), in whole blocks, with at least its last token computed (as
-    vLLM does): the ceiling for a router that never prefills a document twice."""
-    seen: dict[tuple[int, ...], None] = {}
+    """The hit rate if each request found every earlier request's whole blocks cached (one
+    copy of everything, nothing evicted), with at least its last token computed (as vLLM
+    does): the ceiling for a router that never prefills a document twice."""
+    seen: set[int] = set()
     hits = queries = 0
     for ids in token_ids:
         queries += len(ids)
-        cached = 0
-        while (cached + block_tokens) < len(ids) and tuple(ids[: cached + block_tokens]) in seen:
-            cached += block_tokens
-        hits += cached
-        for end in range(block_tokens, len(ids) + 1, block_tokens):
-            seen[tuple(ids[:end])] = None
+        blocks = chain_hashes(None, split_blocks(array("I", ids).tobytes(), 4 * block_tokens))
+        for h in blocks[: (len(ids) - 1) // block_tokens]:
+            if h not in seen:
+                break
+            hits += block_tokens
+        seen.update(blocks)
     return hits / queries if queries else 0.0
 
 
