@@ -292,6 +292,7 @@ class Cluster(ClusterState):
         self._load.append(entry)
         eng.load_prefill_ms += prefill
         eng.load_out_tokens += req.max_tokens
+        eng.load_requests += 1
         self._load_dirty[engine_id] = eng
         g = eng.groups.get(group)
         if g is None:
@@ -417,6 +418,8 @@ class Cluster(ClusterState):
                 src.load_out_tokens -= g.out_tokens
                 dst.load_prefill_ms += g.prefill_ms
                 dst.load_out_tokens += g.out_tokens
+                src.load_requests -= g.requests
+                dst.load_requests += g.requests
                 self._load_dirty[src.engine_id] = src
                 self._load_dirty[dst.engine_id] = dst
                 for entry in g.entries:
@@ -449,6 +452,7 @@ class Cluster(ClusterState):
                 continue
             eng.load_prefill_ms -= prefill
             eng.load_out_tokens -= out
+            eng.load_requests -= 1
             self._load_dirty[engine_id] = eng
             g = eng.groups.get(group)
             if g is not None:

@@ -297,6 +297,7 @@ class ClusterState:
                 inflight=eng.inflight,
                 load_ms=self._load_of(eng),
                 window_ms=eng.window_ms(),
+                window_requests=eng.load_requests,
                 tpot_ms=eng.tpot_ms,
                 hit_ratio=eng.hit_matched / eng.hit_total if eng.hit_total else 0.0,
                 free_bytes=max(capacity - max(held, used), 0),

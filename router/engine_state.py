@@ -107,6 +107,7 @@ class _Engine:
     routed_total: int = 0
     load_prefill_ms: float = 0.0
     load_out_tokens: float = 0.0
+    load_requests: int = 0  # the requests in the windowed load (moves included)
     open_prefill_ms: float = 0.0  # prefill of in-flight requests without a first token yet
     open_out_tokens: int = 0  # output tokens of in-flight requests
     open_ctx_tokens: float = 0.0  # sum of in-flight requests' ctx_tokens

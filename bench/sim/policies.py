@@ -25,6 +25,7 @@ ALIASES: dict[str, str] = {
     "e2-pd": "e2[pd_balance=true]",
     "e2-rebalance": "e2[rebalance=true]",
     "e2-no-rebalance": "e2[rebalance=false]",
+    "e2-early-rebalance": "e2[significant_warmup=true]",
     "e2-admission": "e2[shed_expected=true]",
 }
 

@@ -51,6 +51,7 @@ class EngineView:
     next_decode_step_ms: float = 0.0  # EstTPOT with one more request in the virtual batch
     position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
     window_ms: float = 0.0  # L_i over Preble's window (what rebalancing moves), any load mode
+    window_requests: int = 0  # the requests routed there in that window (moves included)
     open_ctx_tokens: float = 0.0  # sum over in-flight requests of input + output / 2 tokens
     # the engine's fitted speed (kvgate.cost_model.SpeedFit): multiply the profile's times
     prefill_scale: float = 1.0
@@ -91,6 +92,7 @@ class EngineView:
         next_decode_step_ms: float = 0.0,
         position: int = 0,
         window_ms: float = 0.0,
+        window_requests: int = 0,
         open_ctx_tokens: float = 0.0,
         prefill_scale: float = 1.0,
         decode_scale: float = 1.0,
@@ -122,6 +124,7 @@ class EngineView:
         self.next_decode_step_ms = next_decode_step_ms
         self.position = position
         self.window_ms = window_ms
+        self.window_requests = window_requests
         self.open_ctx_tokens = open_ctx_tokens
         self.prefill_scale = prefill_scale
         self.decode_scale = decode_scale

@@ -236,6 +236,25 @@ def test_outstanding_load_leaves_with_first_token_and_finish() -> None:
     assert view.window_ms > 0.0  # the window still remembers it (rebalancing's L)
 
 
+def test_the_window_counts_its_requests_through_moves_and_expiry() -> None:
+    """Rebalancing asks whether an imbalance is more than chance by how many requests each
+    engine's windowed load holds: a route adds one, a moved group takes its requests along,
+    and they leave with the window."""
+    f = Fleet(n=2, policy="round_robin")
+    cl = f.router.cluster
+    f.router.set_draining("e1", True)
+    for i in range(3):
+        f.route(f"a{i}", b"A" * 4096 + bytes([i]), 1.0 + i)
+    f.route("b", b"B" * 4096, 5.0)
+    f.router.set_draining("e1", False)
+    e0, e1 = cl.engines["e0"], cl.engines["e1"]
+    assert (cl.engine_view(e0).window_requests, cl.engine_view(e1).window_requests) == (4, 0)
+    cl.apply_moves([Move(cl.group_of(b"A" * 4096 + b"\0"), "e0", "e1")], 6.0)
+    assert (cl.engine_view(e0).window_requests, cl.engine_view(e1).window_requests) == (1, 3)
+    cl.expire(2.5 + cl.config.window_s)  # a0 and a1 (routed at 1 and 2 s) leave the window
+    assert (cl.engine_view(e0).window_requests, cl.engine_view(e1).window_requests) == (1, 1)
+
+
 def test_prefills_routed_and_not_done_count_as_kv_about_to_be_written() -> None:
     """Until its prefill is done (first token) a routed request's uncached tokens are KV the
     engine will write but has not announced: the view says so (E2's tie-break counts it
