@@ -172,7 +172,7 @@ class E2Config:
     warmup_requests: int = 50
     # before the warm-up, rebalance an imbalance that is no chance (``significant``; off: on
     # real vLLM it cut the runs with an engine over 45% of the requests from 4 in 11 to 3 in
-    # 20, for 0.009 of hit rate; docs/router.md)
+    # 23, for 0.009 of hit rate; docs/router.md)
     significant_warmup: bool = False
     min_group_requests: int = 2
     replicate_ttft_ratio: float = 2.0

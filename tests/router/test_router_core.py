@@ -639,7 +639,8 @@ group_op = st.one_of(
 def test_heaviest_group_kept_through_routes_moves_tpot_and_expiry(ops: list, min_req: int) -> None:
     """The heaviest group the cluster keeps as work comes and goes (routes add to a group,
     moves take it away or merge it, a new TPOT reorders, the window drops old work) is the
-    one a full sort finds, and ``groups_on`` lists what the sort lists."""
+    one a full sort finds, ``groups_on`` lists what the sort lists, and the window's request
+    count is what its groups hold."""
     f = Fleet(n=2, window_s=3.0)
     cl = f.router.cluster
     now = 1.0
@@ -682,6 +683,10 @@ def test_heaviest_group_kept_through_routes_moves_tpot_and_expiry(ops: list, min
                 and (cl._overrides.get(g) is None or cl._overrides[g][0] == engine_id)
             ]
             assert [gl.group for gl in view.groups_on(engine_id, min_req)] == expected
+            # the window's request count (rebalancing's significance test) is its groups'
+            assert view.engine(engine_id).window_requests == sum(
+                w.requests for w in eng.groups.values()
+            )
 
 
 def test_heaviest_group_follows_a_new_tpot() -> None:
