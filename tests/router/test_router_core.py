@@ -684,7 +684,7 @@ def test_heaviest_group_kept_through_routes_moves_tpot_and_expiry(ops: list, min
             ]
             assert [gl.group for gl in view.groups_on(engine_id, min_req)] == expected
             # the window's request count (rebalancing's significance test) is its groups'
-            assert view.engine(engine_id).window_requests == sum(
+            assert cl.engine_view(eng).window_requests == sum(
                 w.requests for w in eng.groups.values()
             )
 
