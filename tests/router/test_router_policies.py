@@ -692,15 +692,11 @@ def test_e2_rebalances_before_the_warm_up_when_the_imbalance_is_significant() ->
 
     e2 = make_policy("e2", REBALANCE | {"significant_warmup": True})
     # 50 routed on 3 engines, far from warm; 26 against 11: 15 >= 2 x sqrt(37)
-    moves = e2.rebalance(ctx(), view({"busy": 26, "idle": 11, "mid": 13}), 0.0)
+    clear = view({"busy": 26, "idle": 11, "mid": 13})
+    moves = e2.rebalance(ctx(), clear, 0.0)
     assert [(m.group, m.src, m.dst) for m in moves][:1] == [(11, "busy", "idle")]
     # the default waits for Preble's warm-up whatever the counts
-    assert (
-        make_policy("e2", REBALANCE).rebalance(
-            ctx(), view({"busy": 26, "idle": 11, "mid": 13}), 0.0
-        )
-        == ()
-    )
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), clear, 0.0) == ()
     # 20 against 14 (and 16): within two standard deviations, so it waits
     assert e2.rebalance(ctx(), view({"busy": 20, "idle": 14, "mid": 16}), 0.0) == ()
 
