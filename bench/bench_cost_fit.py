@@ -1,6 +1,7 @@
 """Does the router's online cost model converge? Engines that are not what their profile says.
 
     .venv/bin/python -m bench.bench_cost_fit [--engines 8] [--requests 3000] [--workload tool_use]
+        [--reporting events|bridge]
 
 A simulated fleet whose engines all announce the default profile, but run truly 2x faster (a
 quarter of them), 2x slower (a quarter) or as announced (the rest). The router fits each
@@ -10,6 +11,12 @@ router's predicted TTFT on the engine it chose and the TTFT the request got; per
 time bucket the benchmark reports the median error ``|log2(predicted / observed)|`` (1.0 = off
 by 2x) and the fitted factors, with the fit on and off (``ClusterConfig.fit_speed``), and the SLO
 attainment and p99 TTFT of e2 both ways. Saves ``results/cost_fit.json`` and a plot.
+
+``--reporting bridge``: the engines report as a plain vLLM behind the bridge does (KV events and
+heartbeats without step timings, no request events), so the only evidence of their speed is the
+TTFT the gateway sees of a request that found its engine idle (``Router.first_token``); the two
+runs are then the gateway's TTFTs reported to the router or not (the fit on in both). Saves
+``results/cost_fit_bridge.json``.
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ import orjson
 from bench.matrix import SCALED_SLO, base_rate
 from bench.metrics import RequestRecord
 from bench.sim.runner import SimConfig, build_world
+from bench.sim.world import LinkConfig
 from bench.workloads import WorkloadOptions, build_workload, scale_rate
 from kvgate.cost_model import load_profile
 from router.cluster_state import ClusterConfig
 
 RESULT = Path("results/cost_fit.json")
+RESULT_BRIDGE = Path("results/cost_fit_bridge.json")
 
 
 def speeds_for(engines: int) -> tuple[float, ...]:
@@ -40,7 +49,13 @@ def speeds_for(engines: int) -> tuple[float, ...]:
 
 
 def run(
-    workload: str, engines: int, requests: int, load: float, fit: bool, seed: int
+    workload: str,
+    engines: int,
+    requests: int,
+    load: float,
+    fit: bool,
+    seed: int,
+    link: LinkConfig | None = None,
 ) -> tuple[list[RequestRecord], dict[str, tuple[float, float]], dict]:
     """One simulation; the records, the final fitted factors per engine and the summary."""
     profile = load_profile("mistral-7b-a6000")
@@ -56,6 +71,7 @@ def run(
         seed=seed,
         speeds=speeds_for(engines),
         cluster=replace(ClusterConfig(), fit_speed=fit),
+        link=link or LinkConfig(),
     )
     world = build_world("e2", "slo", cfg, predictions=True)
     world.run(reqs, drain_s=cfg.drain_s)
@@ -116,7 +132,7 @@ def plot(doc: dict, path: Path) -> bool:
         for cls, series in doc[key]["error_by_class"].items():
             xs = [i for i, v in enumerate(series) if v is not None]
             ax.plot(xs, [series[i] for i in xs], marker="o", label=f"engines {cls} slower")
-        ax.set_title(f"e2, online fit {'on' if key == 'fit' else 'off'}", fontsize=9)
+        ax.set_title(doc[key]["title"], fontsize=9)
         ax.set_xlabel("time (tenths of the run)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("median |log2(predicted / observed TTFT)|")
@@ -136,8 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0.7, help="x the fleet's nominal capacity")
     ap.add_argument("--buckets", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument(
+        "--reporting",
+        choices=("events", "bridge"),
+        default="events",
+        help="events: kvgate's engine (request events, step timings); bridge: a plain vLLM "
+        "behind the bridge (neither: the gateway's TTFTs are the evidence)",
+    )
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    bridge = args.reporting == "bridge"
+    out = args.out or (RESULT_BRIDGE if bridge else RESULT)
     names = [f"e{i:02d}" for i in range(args.engines)]
     speeds = dict(zip(names, speeds_for(args.engines), strict=True))
     doc: dict = {
@@ -146,14 +171,27 @@ def main(argv: list[str] | None = None) -> int:
         "engines": args.engines,
         "requests": args.requests,
         "load": args.load,
+        "reporting": args.reporting,
         "true_time_factors": speeds,
     }
-    for key, fit in (("fit", True), ("no_fit", False)):
+    if bridge:
+        muted = LinkConfig(request_events=False)
+        runs = (
+            ("fit", True, muted, "e2, engines behind the bridge, the gateway's TTFTs reported"),
+            ("no_fit", True, replace(muted, gateway_ttft=False), "... not reported"),
+        )
+    else:
+        runs = (
+            ("fit", True, LinkConfig(), "e2, online fit on"),
+            ("no_fit", False, LinkConfig(), "e2, online fit off"),
+        )
+    for key, fit, link, title in runs:
         records, factors, summary = run(
-            args.workload, args.engines, args.requests, args.load, fit, args.seed
+            args.workload, args.engines, args.requests, args.load, fit, args.seed, link
         )
         series = errors_over_time(records, speeds, args.buckets)
         doc[key] = {
+            "title": title,
             "fitted_factors": factors,  # engine -> (prefill, decode)
             "error_by_engine": series,
             "error_by_class": by_class(series, speeds),
@@ -162,19 +200,19 @@ def main(argv: list[str] | None = None) -> int:
             "per_engine_requests": summary["per_engine_requests"],
         }
         print(
-            f"fit {'on ' if fit else 'off'}: attainment {100 * summary['slo_attainment']:.1f}%, "
+            f"{title}: attainment {100 * summary['slo_attainment']:.1f}%, "
             f"TTFT p99 {summary['ttft_ms']['p99']:.0f} ms; error by class (first, last tenth): "
             + ", ".join(f"{c} {s[0]} -> {s[-1]}" for c, s in doc[key]["error_by_class"].items()),
             file=sys.stderr,
         )
     for eid, (pf, df) in doc["fit"]["fitted_factors"].items():
         print(f"  {eid}: true x{speeds[eid]:g}, fitted prefill x{pf:.3f} decode x{df:.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-    png = args.out.with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    png = out.with_suffix(".png")
     if plot(doc, png):
         print(f"wrote {png}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

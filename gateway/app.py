@@ -236,7 +236,10 @@ class Gateway:
         self.broker_failing_since: float | None = None
         self.degraded = False
         self.last_refresh = -math.inf
-        self.reports: asyncio.Queue[tuple[str, str, Outcome]] = asyncio.Queue(maxsize=10_000)
+        # outcomes for the router, and (outcome None) the TTFTs of streamed answers
+        self.reports: asyncio.Queue[tuple[str, str, Outcome | None, float]] = asyncio.Queue(
+            maxsize=10_000
+        )
         self.log_once = LogOnce(log, every_s=60.0)
         self.open_streams = 0
         self.busy_poll = BusyPoll() if self.config.busy_poll else None
@@ -379,20 +382,31 @@ class Gateway:
             batch = [await reports.get()]
             while not reports.empty():
                 batch.append(reports.get_nowait())
-            for rid, engine_id, outcome in batch:
+            for rid, engine_id, outcome, ttft_ms in batch:
                 try:
                     if self._needs_timeout:
                         async with asyncio.timeout(self.config.route_timeout_s):
-                            await self.routing.report(rid, engine_id, outcome)
+                            await self._send_report(rid, engine_id, outcome, ttft_ms)
                     else:
-                        await self.routing.report(rid, engine_id, outcome)
+                        await self._send_report(rid, engine_id, outcome, ttft_ms)
                 except Exception as exc:
                     self.log_once.warning("router-report", "router report failed: %r", exc)
 
-    def _report(self, rid: str, engine_id: str, outcome: Outcome) -> None:
-        """Queue an outcome for the router; reporting never delays the response."""
+    async def _send_report(
+        self, rid: str, engine_id: str, outcome: Outcome | None, ttft_ms: float
+    ) -> None:
+        if outcome is None:
+            await self.routing.first_token(rid, engine_id, ttft_ms)
+        else:
+            await self.routing.report(rid, engine_id, outcome)
+
+    def _report(
+        self, rid: str, engine_id: str, outcome: Outcome | None, ttft_ms: float = 0.0
+    ) -> None:
+        """Queue an outcome for the router, or (``outcome`` None) the TTFT of a streamed
+        answer; reporting never delays the response."""
         try:
-            self.reports.put_nowait((rid, engine_id, outcome))
+            self.reports.put_nowait((rid, engine_id, outcome, ttft_ms))
         except asyncio.QueueFull:
             self.log_once.warning("report-queue", "router report queue full: dropping outcomes")
 
@@ -871,6 +885,7 @@ class Gateway:
                     headers={REQUEST_ID: rid},
                 )
             return None
+        sent = time.perf_counter()
         try:
             upstream = await self.upstream.request(target, b"POST", headers, raw)
         except asyncio.CancelledError:
@@ -908,7 +923,15 @@ class Gateway:
             out_headers = self._response_headers(upstream, rid_b, decision, debug)
             if upstream.is_event_stream:
                 return await self._relay_stream(
-                    request, route, upstream, out_headers, engine_id, rid, start, access
+                    request,
+                    route,
+                    upstream,
+                    out_headers,
+                    engine_id,
+                    rid,
+                    start,
+                    access,
+                    sent=None if pd is not None else sent,
                 )
             data = await upstream.read()
         except asyncio.CancelledError:
@@ -947,13 +970,16 @@ class Gateway:
         rid: str,
         start: float,
         access: _Access,
+        sent: float | None = None,
     ) -> StreamResponse:
         """Relay SSE bytes as they arrive, with no buffering and no hop through this task: the
         upstream connection hands each piece to ``forward`` from its ``data_received`` (push
         mode), which writes it to the client at once; this coroutine only waits for the end
         and drains a slow client. The headers go out with the first piece, and the last piece
         with the end of the body (one write each: each write is a syscall and a client
-        wake-up)."""
+        wake-up). The first piece's time since the request went to the engine (``sent``; None:
+        not reported, as for a disaggregated decode) goes to the router: for an engine that
+        sends no request events it is the only word on when its prefill ended."""
         resp = StreamResponse(upstream.status, raw_headers=out_headers)
         self.open_streams += 1  # exported on scrape (a Gauge takes a lock per update)
         outcome: Outcome = "ok"
@@ -964,8 +990,11 @@ class Gateway:
             nonlocal first
             if first and piece:
                 first = False
-                access.ttft_s = time.perf_counter() - start
+                now = time.perf_counter()
+                access.ttft_s = now - start
                 ttft.observe(access.ttft_s)
+                if sent is not None:
+                    self._report(rid, engine_id, None, (now - sent) * 1000.0)
             try:
                 return resp.send(piece, last)
             except ConnectionResetError:  # gone: the server cancels this task, which says so

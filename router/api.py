@@ -237,6 +237,12 @@ class RoutingService(Protocol):
         engine frees its in-flight work at once instead of waiting for a timeout)."""
         ...
 
+    async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:
+        """Tell the router when the first token of a streamed answer came, ``ttft_ms`` after
+        the request went to ``engine_id`` (for an engine that sends no request events: its
+        prefill is done, and an idle engine's TTFT fits its speed)."""
+        ...
+
     async def engines(self) -> list[EngineInfo]:
         """Every engine the router knows, for ``/v1/models``, health checks and admin."""
         ...

@@ -11,6 +11,7 @@ from router.wire import (
     WireError,
     decision_from_json,
     engine_from_json,
+    first_token_to_json,
     request_to_json,
 )
 
@@ -79,6 +80,10 @@ class RemoteRouter:
     async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
         body = {"request_id": request_id, "engine_id": engine_id, "outcome": outcome}
         await self._call("POST", "/report", body, self.report_timeout)
+
+    async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:
+        body = first_token_to_json(request_id, engine_id, ttft_ms)
+        await self._call("POST", "/first_token", body, self.report_timeout)
 
     async def ready(self) -> bool:
         """Whether the router answers ``GET /ready`` with 200 (caught up with its broker and

@@ -10,7 +10,9 @@ What it keeps and why:
   engine at once, for a short TTL on engines that report KV events (so a burst of one prefix is
   not explored N times) or a long one on engines that do not (approximate mode);
 * in-flight requests, recorded at routing time and released by the engine's RequestFinished or
-  RequestRejected (matched by request id), the gateway's ``report``, or a timeout;
+  RequestRejected (matched by request id), the gateway's ``report``, or a timeout; their prefill
+  done at the engine's FirstToken or, for an engine that sends no request events, at the first
+  token the gateway sees of a streamed answer (else at a guess);
 * sliding windows (3 minutes by default): per engine, the work routed there (Preble's L: prefill
   of missed tokens, output tokens to be multiplied by the engine's TPOT), per prefix group and
   engine (what E2 moves), per prefix group the TTFTs (hot-prefix detection); 30 s of matched
@@ -55,6 +57,9 @@ from router.tree_node import Match
 
 # prefill work in one heartbeat that weighs as much as a first token in the speed fit
 HEARTBEAT_FULL_WEIGHT_MS = 100.0
+# the weight of an idle engine's TTFT in its prefill speed fit (an exact prefill time weighs 1:
+# the TTFT also holds a decode step and the request's trip)
+IDLE_TTFT_WEIGHT = 0.5
 
 
 class Cluster(ClusterState):
@@ -129,12 +134,7 @@ class Cluster(ClusterState):
             if ev.kv_transfer_ms is not None and ev.kv_transfer_tokens and self.config.fit_speed:
                 self.kv.observe(ev.kv_transfer_tokens, ev.kv_transfer_ms)
             if rec is not None and not rec.first_token:
-                rec.first_token = True
-                rec.first_at = now
-                self._prefill_done(rec, ev.request_id)
-                self._record_ttft(rec.group, ev.ttft_ms, now)
-                if rec.engine_id == eng.engine_id:
-                    self._start_decoding(eng, ev.request_id, rec)
+                self._first_token(eng, ev.request_id, rec, ev.ttft_ms, now)
         elif isinstance(ev, RequestFinished):
             rec = self._inflight.get(ev.request_id)
             if rec is not None and not rec.first_token:
@@ -144,6 +144,46 @@ class Cluster(ClusterState):
             self.release(ev.request_id, "event", now)
         elif isinstance(ev, RequestRejected):
             self.release(ev.request_id, "event", now)
+
+    def _first_token(
+        self, eng: _Engine, request_id: str, rec: _Inflight, ttft_ms: float, now: float
+    ) -> None:
+        """``rec``'s first token came out (on ``eng``) ``ttft_ms`` after it arrived there: its
+        prefill is no longer queued work, it decodes, and its prefix group's TTFT is recorded
+        (hot-prefix replication)."""
+        rec.first_token = True
+        rec.first_at = now
+        self._prefill_done(rec, request_id)
+        self._record_ttft(rec.group, ttft_ms, now)
+        if rec.engine_id == eng.engine_id:
+            self._start_decoding(eng, request_id, rec)
+
+    def gateway_first_token(
+        self, request_id: str, engine_id: str, ttft_ms: float, now: float
+    ) -> bool:
+        """The gateway saw the first token of a streamed answer ``ttft_ms`` after it sent the
+        request to ``engine_id``. Folded only for an engine that sends no request events of its
+        own (a plain vLLM behind the bridge, a static engine), whose prefill the router would
+        otherwise guess done (``_Engine.open_prefill``) and whose speed it could not fit: as
+        :class:`FirstToken` without ``prefill_ms``, the TTFT of a request that found the engine
+        idle is weaker evidence of its prefill speed. An engine's own events are exact, so for
+        one that sends them this is ignored. False when nothing was folded."""
+        rec = self._inflight.get(request_id)
+        eng = self.engines.get(engine_id)
+        if (
+            rec is None
+            or eng is None
+            or rec.engine_id != engine_id
+            or rec.first_token
+            or eng.reports_requests
+            or not (math.isfinite(ttft_ms) and ttft_ms >= 0.0)
+        ):
+            return False
+        self._not_pending(request_id)
+        if self.config.fit_speed and rec.idle_prefill_ms > 0 and not eng.reports_prefill_steps:
+            eng.speed.observe_prefill(rec.idle_prefill_ms, ttft_ms, weight=IDLE_TTFT_WEIGHT)
+        self._first_token(eng, request_id, rec, ttft_ms, now)
+        return True
 
     def _not_pending(self, request_id: str) -> None:
         rec = self._inflight.get(request_id)
@@ -175,7 +215,7 @@ class Cluster(ClusterState):
             predicted = eng.profile.prefill_ms(ev.prefill_tokens, ev.context_tokens or 0)
             eng.speed.observe_prefill(predicted, ev.prefill_ms)
         elif rec is not None and rec.idle_prefill_ms > 0 and not rec.first_token:
-            eng.speed.observe_prefill(rec.idle_prefill_ms, ev.ttft_ms, weight=0.5)
+            eng.speed.observe_prefill(rec.idle_prefill_ms, ev.ttft_ms, weight=IDLE_TTFT_WEIGHT)
         else:
             return
         eng.view = None

@@ -208,6 +208,11 @@ class Router:
         decode = self.cluster.release(decode_id(request_id), "report", now)
         return self.cluster.release(request_id, "report", now) or decode
 
+    def first_token(self, request_id: str, engine_id: str, ttft_ms: float, now: float) -> bool:
+        """The gateway's TTFT of a streamed answer, for an engine that sends no request events
+        (:meth:`router.cluster.Cluster.gateway_first_token`). False when it was not folded in."""
+        return self.cluster.gateway_first_token(request_id, engine_id, ttft_ms, now)
+
     def add_static_engine(
         self,
         engine_id: str,

@@ -16,6 +16,8 @@ HTTP API (JSON; shapes in :mod:`router.wire`; bad input -> 400 ``{"error": {...}
 
 * ``POST /route``: a RouteRequest with the key base64-encoded in ``key_b64`` -> a Decision;
 * ``POST /report``: ``{"request_id", "engine_id", "outcome"}`` -> ``{"released": bool}``;
+* ``POST /first_token``: ``{"request_id", "engine_id", "ttft_ms"}`` (the gateway's TTFT of a
+  streamed answer) -> ``{"folded": bool}`` (only for an engine that sends no request events);
 * ``GET /engines``, ``GET /state``, ``GET /metrics`` (Prometheus), ``GET /health`` (200 while
   the broker is reachable), ``GET /ready`` (200 once ready and while the broker is reachable:
   the readiness probe);
@@ -28,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -49,11 +51,14 @@ from router.wire import (
     WireError,
     decision_to_json,
     engine_to_json,
+    first_token_from_json,
     report_from_json,
     request_from_json,
 )
 
 log = logging.getLogger("kvgate.router")
+
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 96 << 20  # a 64 MiB key, base64-encoded, plus the envelope
 READY_WAIT_S = 0.5  # /route before ready: wait this long (below a gateway's route timeout)
@@ -115,6 +120,9 @@ class EmbeddedRouter:
 
     async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
         self.router.report(request_id, engine_id, outcome, self.clock())
+
+    async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:
+        self.router.first_token(request_id, engine_id, ttft_ms, self.clock())
 
     async def engines(self) -> list[EngineInfo]:
         return self.router.engines(self.clock())
@@ -202,6 +210,19 @@ def _bad(message: str, field: str, status: int = 400) -> web.Response:
     return _json({"error": {"message": message, "type": "invalid_request", "param": field}}, status)
 
 
+async def _parsed(request: web.Request, parse: Callable[[Any], T]) -> T | web.Response:
+    """The request's JSON body read by ``parse`` (:mod:`router.wire`), or the 400 answer that
+    says what is wrong with it."""
+    try:
+        return parse(orjson.loads(await request.read()))
+    except orjson.JSONDecodeError:
+        return _bad("body is not valid JSON", "body")
+    except WireError as exc:
+        return _bad(str(exc), exc.field)
+    except ValueError as exc:
+        return _bad(str(exc), "body")
+
+
 def _not_ready(service: EmbeddedRouter) -> web.Response:
     """503 with Retry-After: the router is catching up with the broker, or knows no engine."""
     caught_up = service.consumer.caught_up
@@ -247,16 +268,9 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
     router = service.router
 
     async def route(request: web.Request) -> web.Response:
-        try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return _bad("body is not valid JSON", "body")
-        try:
-            req = request_from_json(body)
-        except WireError as exc:
-            return _bad(str(exc), exc.field)
-        except ValueError as exc:
-            return _bad(str(exc), "body")
+        req = await _parsed(request, request_from_json)
+        if isinstance(req, web.Response):
+            return req
         if not service.is_ready() and not await service.wait_ready(READY_WAIT_S):
             return _not_ready(service)
         t0 = time.perf_counter()
@@ -266,14 +280,18 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
         return _json(decision_to_json(decision))
 
     async def report(request: web.Request) -> web.Response:
-        try:
-            rid, engine_id, outcome = report_from_json(orjson.loads(await request.read()))
-        except orjson.JSONDecodeError:
-            return _bad("body is not valid JSON", "body")
-        except WireError as exc:
-            return _bad(str(exc), exc.field)
-        released = router.report(rid, engine_id, outcome, service.clock())
-        return _json({"released": released})
+        got = await _parsed(request, report_from_json)
+        if isinstance(got, web.Response):
+            return got
+        rid, engine_id, outcome = got
+        return _json({"released": router.report(rid, engine_id, outcome, service.clock())})
+
+    async def first_token(request: web.Request) -> web.Response:
+        got = await _parsed(request, first_token_from_json)
+        if isinstance(got, web.Response):
+            return got
+        rid, engine_id, ttft_ms = got
+        return _json({"folded": router.first_token(rid, engine_id, ttft_ms, service.clock())})
 
     async def engines(request: web.Request) -> web.Response:
         return _json([engine_to_json(e) for e in router.engines(service.clock())])
@@ -316,6 +334,7 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/route", route)
     app.router.add_post("/report", report)
+    app.router.add_post("/first_token", first_token)
     app.router.add_get("/engines", engines)
     app.router.add_post(r"/engines/{engine_id}/{action:drain|undrain}", drain)
     app.router.add_get("/state", state)

@@ -176,6 +176,23 @@ def report_from_json(body: Any) -> tuple[str, str, Outcome]:
     return _str(body, "request_id") or "", _str(body, "engine_id") or "", cast(Outcome, outcome)
 
 
+MAX_TTFT_MS = 86_400_000.0  # a day: a larger TTFT is a wrong unit, not a slow engine
+
+
+def first_token_to_json(request_id: str, engine_id: str, ttft_ms: float) -> dict:
+    return {"request_id": request_id, "engine_id": engine_id, "ttft_ms": ttft_ms}
+
+
+def first_token_from_json(body: Any) -> tuple[str, str, float]:
+    """``POST /first_token``: the request, its engine and the TTFT the gateway saw (ms)."""
+    if not isinstance(body, dict):
+        raise WireError("body must be a JSON object", "body")
+    ttft = body.get("ttft_ms")
+    if isinstance(ttft, bool) or not isinstance(ttft, (int, float)) or not 0 <= ttft <= MAX_TTFT_MS:
+        raise WireError(f"ttft_ms must be a number of ms in [0, {MAX_TTFT_MS:.0f}]", "ttft_ms")
+    return _str(body, "request_id") or "", _str(body, "engine_id") or "", float(ttft)
+
+
 def engine_to_json(e: EngineInfo) -> dict:
     return {
         "engine_id": e.engine_id,

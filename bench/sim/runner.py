@@ -119,6 +119,7 @@ class _TimedRouter:
         self.route_s = 0.0
         self.apply = router.apply
         self.report = router.report
+        self.first_token = router.first_token
         self.add_static_engine = router.add_static_engine
 
     def route(self, req: RouteRequest, now: float) -> Decision:

@@ -15,7 +15,11 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
   and consecutive sequence numbers, ``link_delay_s`` (plus optional seeded jitter) later, in order
   per engine, one batch per engine step (``DELIVER``), as the reporter's stream entries would;
 * every engine sends a load heartbeat each ``heartbeat_s`` (``HEARTBEAT``) through the same link;
-* when a request finishes (or the engine rejects it) the router gets the gateway's outcome report;
+* when a request finishes (or the engine rejects it) the router gets the gateway's outcome report,
+  and at its first token the TTFT the gateway saw (``gateway_ttft``: as of a streamed answer);
+* ``request_events`` off, the engines report as a plain vLLM behind the bridge does: KV events
+  and heartbeats without step timings, no request events (the router then knows a request's
+  prefill ended, and how fast the engine is, only from the gateway's TTFTs);
 * a disaggregated decision (``router.pd``) runs as the gateway runs it: the prefill on its
   engine with one output token, then the prompt's KV crosses the link (``TRANSFER``,
   ``kv_ms_per_token`` x prompt tokens after the prefill's token, plus the network delay) into
@@ -36,7 +40,7 @@ from typing import Any, Protocol
 from bench.metrics import STATUS_OK, STATUS_SHED, RequestRecord
 from bench.sim.loop import EventLoop, Kind
 from bench.workloads import Request
-from broker.events import Envelope, Event
+from broker.events import AllCleared, BlockRemoved, BlockStored, Envelope, Event, LoadHeartbeat
 from kvgate.cost_model import CostProfile
 from router.api import Decision, RouteRequest
 from router.pd import decode_id
@@ -54,6 +58,7 @@ class RouterLike(Protocol):
     def route(self, req: RouteRequest, now: float) -> Decision: ...
     def apply(self, env: Envelope, now: float) -> None: ...
     def report(self, request_id: str, engine_id: str, outcome: str, now: float) -> None: ...
+    def first_token(self, request_id: str, engine_id: str, ttft_ms: float, now: float) -> bool: ...
 
 
 class EngineLike(Protocol):
@@ -88,6 +93,11 @@ class LinkConfig:
     # ``fallback``), marked ``shed_run``: measures whether shedding was right (the router does
     # not count it as in flight there, as with another router's request)
     run_shed: bool = False
+    # the engines send request events (kvgate's engine does; off: a plain vLLM behind the
+    # bridge, see the module docstring)
+    request_events: bool = True
+    # the gateway tells the router when each answer's first token came (as for a streamed one)
+    gateway_ttft: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +139,7 @@ class _Flight:
     ereq: Any = None  # ... the engine request, kept for the decode phase
     key: bytes = b""
     prefill_cached: int = 0  # ... its prompt tokens the prefill engine had cached
+    sent: float = 0.0  # when the gateway sent it to its engine
 
 
 @dataclass(slots=True)
@@ -267,7 +278,7 @@ class World:
                     rec.predicted_ttft_ms = cand.load_ms + cand.prefill_ms
         slot.routed += 1
         self.stats.routed += 1
-        flight = self._flights[req.request_id] = _Flight(req, rec, slot.index)
+        flight = self._flights[req.request_id] = _Flight(req, rec, slot.index, sent=now)
         ereq = self._make_engine_request(req, key, now + self.link.network_delay_s)
         dec = decision.decode_engine_id
         if decision.disaggregated and dec in self._by_id:
@@ -320,6 +331,9 @@ class World:
             return
         if out.index == 0 and out.times and rec.ttft_s is None:
             rec.ttft_s = out.times[0] - arrival
+            if self.link.gateway_ttft and flight.decode_engine is None:
+                ttft_ms = (out.times[0] - flight.sent) * 1000.0
+                self.router.first_token(out.request_id, slot.core.engine_id, ttft_ms, now)
         if out.usage is not None:
             u = out.usage
             last = out.times[-1] if out.times else now
@@ -375,6 +389,10 @@ class World:
         eid = slot.core.engine_id
         envs = []
         seq = slot.seq
+        if not self.link.request_events:
+            events = [_as_bridged(ev) for ev in events if isinstance(ev, BRIDGED_EVENTS)]
+            if not events:
+                return
         for ev in events:
             envs.append(Envelope(eid, slot.epoch, seq, now, ev))
             seq += 1
@@ -407,3 +425,23 @@ class World:
 
     def per_engine(self) -> dict[str, int]:
         return {s.core.engine_id: s.routed for s in self.slots}
+
+
+# what a plain vLLM behind the bridge reports (engine_reporter.vllm): its KV events, and
+# heartbeats read off its /metrics
+BRIDGED_EVENTS = (BlockStored, BlockRemoved, AllCleared, LoadHeartbeat)
+
+
+def _as_bridged(ev: Event) -> Event:
+    """``ev`` as the bridge would report it: a heartbeat without the step timings vLLM does not
+    export (:func:`engine_reporter.vllm.metrics.build_heartbeat`)."""
+    if isinstance(ev, LoadHeartbeat):
+        return replace(
+            ev,
+            decode_step_ms=None,
+            decode_batch=None,
+            decode_context=None,
+            prefill_ms=None,
+            prefill_plan_ms=None,
+        )
+    return ev

@@ -11,7 +11,14 @@ from bench.sim.runner import SimConfig, SweepSpec, build_world, engine_ids, run_
 from bench.sim.world import LinkConfig
 from bench.workloads import WorkloadOptions
 from bench.workloads.request import Request, Segment, Turn
-from broker.events import BlockStored, Envelope, LoadHeartbeat, RequestEnqueued
+from broker.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    Envelope,
+    LoadHeartbeat,
+    RequestEnqueued,
+)
 from kvgate.cost_model import default_profile
 from kvgate.slo import Slo
 
@@ -168,3 +175,29 @@ def test_ingress_delays_routing_by_body_size() -> None:
     plain = _world("round_robin", engines=2)
     plain.run([big, small])
     assert [r.engine for r in plain.records] == ["e00", "e01"]  # trace order without ingress
+
+
+@pytest.mark.parametrize("gateway_ttft", [True, False])
+def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_ttft: bool) -> None:
+    """``request_events`` off, the engines report as a plain vLLM behind the bridge: KV events
+    and heartbeats without step timings. The router then learns how fast an engine is only
+    from the TTFTs the gateway sees: the one twice as slow as its profile is found so."""
+    link = LinkConfig(request_events=False, gateway_ttft=gateway_ttft)
+    world = build_world("round_robin", "slo", SimConfig(engines=2, link=link, speeds=(1.0, 2.0)))
+    spy = _Spy(world.router)
+    world.router = spy
+    # spaced out: each request finds its engine idle
+    world.run([_req(f"r{i}", 2.0 * i, 8000, 4, seed=i) for i in range(8)])
+    assert all(r.ok for r in world.records)
+    kinds = {type(e.event) for _, e in spy.seen}
+    assert kinds <= {LoadHeartbeat, BlockStored, BlockRemoved, AllCleared}
+    assert BlockStored in kinds
+    beats = [e.event for _, e in spy.seen if isinstance(e.event, LoadHeartbeat)]
+    assert all(b.decode_step_ms is None and b.prefill_ms is None for b in beats)
+    cluster = spy.router.router.cluster  # (the spy, around the timing wrapper)
+    fitted = cluster.engines["e01"].speed.prefill
+    if gateway_ttft:
+        assert fitted == pytest.approx(2.0, rel=0.1)
+        assert cluster.engines["e00"].speed.prefill == pytest.approx(1.0, rel=0.1)
+    else:
+        assert fitted == 1.0  # nothing to learn from

@@ -141,6 +141,7 @@ class ListRouting:
         self.shed_all = False
         self.forget_engines = False  # act like a router whose broker lost every engine
         self.reports: list[tuple[str, str, Outcome]] = []
+        self.first_tokens: list[tuple[str, str, float]] = []
         self.routed: list[RouteRequest] = []
         self._n = 0
 
@@ -165,6 +166,10 @@ class ListRouting:
     async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
         self._check()
         self.reports.append((request_id, engine_id, outcome))
+
+    async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:
+        self._check()
+        self.first_tokens.append((request_id, engine_id, ttft_ms))
 
     async def engines(self) -> list[EngineInfo]:
         self._check()

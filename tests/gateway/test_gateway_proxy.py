@@ -52,6 +52,7 @@ async def test_body_forwarded_byte_for_byte_with_request_id_and_slo_headers() ->
         assert eng.headers[1]["x-request-id"] == headers["X-Request-ID"]
         await wait_until(lambda: len(st.routing.reports) == 2)
         assert {o for _, _, o in st.routing.reports} == {"ok"}
+        assert st.routing.first_tokens == []  # (not streamed: the gateway saw no first token)
 
 
 async def test_sse_is_relayed_incrementally() -> None:
@@ -63,6 +64,12 @@ async def test_sse_is_relayed_incrementally() -> None:
             first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
             # The upstream is still holding its stream open: the chunk was not buffered.
             assert first.startswith(b"data: {") and st.engines[0].finished_streams == 0
+            # ... and the router hears of the first token now, not when the stream ends
+            await wait_until(lambda: len(st.routing.first_tokens) == 1)
+            rid, engine_id, ttft_ms = st.routing.first_tokens[0]
+            assert rid == r.headers["X-Request-ID"] and engine_id == "e0"
+            assert 0.0 < ttft_ms < 5000.0
+            assert st.routing.reports == []
             hold.set()
             rest = await r.read()
         assert rest.endswith(b"data: [DONE]\n\n")

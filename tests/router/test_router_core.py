@@ -1090,3 +1090,30 @@ def test_e2_skipping_contenders_by_their_cost_bound_changes_no_decision(
             if picks[0][0] is not None:
                 open_ids.append((f"r{i}", picks[0][0]))
         assert fleets[0].router.rng.random() == fleets[1].router.rng.random()
+
+
+def test_the_gateways_first_token_stands_in_for_an_engine_without_request_events() -> None:
+    """A plain vLLM behind the bridge sends no request events: the gateway's TTFT of a streamed
+    answer ends the request's prefill in the router's books (instead of a guess), starts its
+    decode, and an idle engine's TTFT fits its speed; an engine's own events take precedence."""
+    f = Fleet(n=2)
+    prof = f.router.cluster.engines["e0"].profile
+    cl = f.router.cluster
+    key = b"i" * 40_000  # 10k tokens on an idle engine: its TTFT is its prefill time
+    d = f.route("r", key, 1.0)
+    eng = cl.engines[d.engine_id]
+    assert "r" in eng.open_prefill and not eng.decoding
+    assert not f.router.first_token("r", "elsewhere", 10.0, 1.5)  # not where it went
+    assert not f.router.first_token("r", d.engine_id, math.nan, 1.5)  # no such TTFT
+    assert f.router.first_token("r", d.engine_id, 3 * prof.prefill_ms(10_000), 2.0)
+    assert "r" not in eng.open_prefill and "r" in eng.decoding
+    assert _view(f, 2.0, d.engine_id)[1].prefill_scale == pytest.approx(3.0)
+    assert not f.router.first_token("r", d.engine_id, 1.0, 2.1)  # once
+    # an engine that sends its own request events: the gateway's word changes nothing
+    other = "e1" if d.engine_id == "e0" else "e0"
+    f.send(other, RequestStarted("x"), 2.2)
+    d2 = f.route("r2", b"j" * 40_000, 2.3, exclude=frozenset({d.engine_id}))
+    assert d2.engine_id == other
+    assert not f.router.first_token("r2", other, 3 * prof.prefill_ms(10_000), 3.0)
+    assert "r2" in cl.engines[other].open_prefill
+    assert _view(f, 3.0, other)[1].prefill_scale == 1.0

@@ -166,6 +166,9 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
         d = await remote.route(req("h1", DOC_A + b"hi"))
         assert (d.engine_id, d.reason, d.matched_bytes) == ("eng0", "exploit", len(DOC_A))
         assert d.candidates and d.candidates[0].engine_id == "eng0"
+        # eng0 sends no request events: the gateway's first token ends h1's prefill
+        await remote.first_token("h1", "eng0", 12.5)
+        assert "h1" in router.cluster.engines["eng0"].decoding
         await remote.report("h1", "eng0", "failed")
         assert router.cluster.engines["eng0"].inflight == 0
         async with aiohttp.ClientSession() as http:
@@ -181,6 +184,21 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
                     assert (await resp.json())["error"]["param"] == field
             async with http.post(f"{base}/report", data=b'{"outcome": "maybe"}') as resp:
                 assert resp.status == 400
+            for body, field in (
+                (b"[1]", "body"),
+                (b'{"request_id": "x", "engine_id": "eng0"}', "ttft_ms"),
+                (b'{"request_id": "x", "engine_id": "eng0", "ttft_ms": -1}', "ttft_ms"),
+                (b'{"request_id": "x", "engine_id": "eng0", "ttft_ms": "5"}', "ttft_ms"),
+                (b'{"request_id": "x", "engine_id": "eng0", "ttft_ms": 1e30}', "ttft_ms"),
+                (b'{"request_id": "", "engine_id": "eng0", "ttft_ms": 5}', "request_id"),
+                (b'{"request_id": "x", "ttft_ms": 5}', "engine_id"),
+            ):
+                async with http.post(f"{base}/first_token", data=body) as resp:
+                    assert resp.status == 400, body
+                    assert (await resp.json())["error"]["param"] == field
+            unknown = {"request_id": "gone", "engine_id": "eng0", "ttft_ms": 5}
+            async with http.post(f"{base}/first_token", json=unknown) as resp:
+                assert resp.status == 200 and (await resp.json()) == {"folded": False}
             ok_body = {"request_id": "raw", "key_b64": base64.b64encode(b"x").decode()}
             async with http.post(f"{base}/route", json=ok_body) as resp:
                 assert resp.status == 200 and (await resp.json())["engine_id"] == "eng0"
