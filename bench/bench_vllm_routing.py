@@ -57,6 +57,7 @@ from bench.cli import _names
 from bench.procs import HTTP_ERRORS, LOOPBACK, free_port, http, wait_http
 from bench.sim.policies import parse_policy
 from bench.sim.runner import SimConfig, run_one
+from bench.sim.world import LinkConfig
 from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf
 from engine_reporter.hashing import chain_hashes, split_blocks
@@ -290,7 +291,10 @@ def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
     for router in routers:
         runs = []
         for seed in seeds:
-            cfg = SimConfig(engines=args.engines, profile=args.profile, seed=seed)
+            # the engines report as vLLM behind the bridge does (no request events), and the
+            # benchmark's answers are not streamed (no first token for the gateway to report)
+            link = LinkConfig(request_events=False, gateway_ttft=False)
+            cfg = SimConfig(engines=args.engines, profile=args.profile, seed=seed, link=link)
             result = run_one(replica_workload(args, seed, profile), router, "fcfs", cfg)
             sm = result["summary"]
             per = sm["per_engine_requests"]

@@ -17,7 +17,8 @@ What it keeps and why:
   of missed tokens, output tokens to be multiplied by the engine's TPOT), per prefix group and
   engine (what E2 moves), per prefix group the TTFTs (hot-prefix detection); 30 s of matched
   vs. key bytes per engine (prefill/decode balance);
-* TPOT: median of each engine's last 200 measured TPOTs, seeded at 150 ms.
+* TPOT: median of each engine's last 200 measured TPOTs (its RequestFinished events' or, for an
+  engine that sends none, its heartbeats' mean decode step), seeded at 150 ms.
 
 Policies see it through :class:`router.view.View` (read-only) and immutable :class:`EngineView`
 snapshots, rebuilt only for engines whose state changed.
@@ -108,6 +109,10 @@ class Cluster(ClusterState):
                 eng.speed.observe_decode(predicted, ev.decode_step_ms)
             if self.config.fit_speed:
                 self._fit_prefill_steps(eng, ev)
+            if ev.decode_step_ms and not eng.reports_requests:
+                # no request events (a plain vLLM behind the bridge): its requests' TPOT is its
+                # mean step (the bridge reads it off vLLM's inter-token latencies)
+                self._record_tpot(eng, ev.decode_step_ms)
             if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
                 eng.url = ev.url
                 eng.models = ev.models
@@ -136,6 +141,7 @@ class Cluster(ClusterState):
             if rec is not None and not rec.first_token:
                 self._first_token(eng, ev.request_id, rec, ev.ttft_ms, now)
         elif isinstance(ev, RequestFinished):
+            eng.reports_requests = True
             rec = self._inflight.get(ev.request_id)
             if rec is not None and not rec.first_token:
                 self._record_ttft(rec.group, ev.ttft_ms, now)
@@ -143,6 +149,7 @@ class Cluster(ClusterState):
                 self._record_tpot(eng, ev.tpot_ms)
             self.release(ev.request_id, "event", now)
         elif isinstance(ev, RequestRejected):
+            eng.reports_requests = True
             self.release(ev.request_id, "event", now)
 
     def _first_token(

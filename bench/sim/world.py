@@ -18,8 +18,9 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
 * when a request finishes (or the engine rejects it) the router gets the gateway's outcome report,
   and at its first token the TTFT the gateway saw (``gateway_ttft``: as of a streamed answer);
 * ``request_events`` off, the engines report as a plain vLLM behind the bridge does: KV events
-  and heartbeats without step timings, no request events (the router then knows a request's
-  prefill ended, and how fast the engine is, only from the gateway's TTFTs);
+  and heartbeats without prefill timings, no request events (the router then knows a request's
+  prefill ended, and how fast the engine prefills, only from the gateway's TTFTs; its decode
+  steps from the heartbeats, as the bridge reads them off vLLM's /metrics);
 * a disaggregated decision (``router.pd``) runs as the gateway runs it: the prefill on its
   engine with one output token, then the prompt's KV crosses the link (``TRANSFER``,
   ``kv_ms_per_token`` x prompt tokens after the prefill's token, plus the network delay) into
@@ -433,15 +434,10 @@ BRIDGED_EVENTS = (BlockStored, BlockRemoved, AllCleared, LoadHeartbeat)
 
 
 def _as_bridged(ev: Event) -> Event:
-    """``ev`` as the bridge would report it: a heartbeat without the step timings vLLM does not
-    export (:func:`engine_reporter.vllm.metrics.build_heartbeat`)."""
+    """``ev`` as the bridge would report it: a heartbeat without the prefill timings vLLM does
+    not export; its decode figures stay (the bridge reads them off vLLM's inter-token latencies,
+    :func:`engine_reporter.vllm.metrics.decode_figures`, which also hold the prefill chunks
+    mixed into a step: the simulated engine's mean decode step is the optimistic side of that)."""
     if isinstance(ev, LoadHeartbeat):
-        return replace(
-            ev,
-            decode_step_ms=None,
-            decode_batch=None,
-            decode_context=None,
-            prefill_ms=None,
-            prefill_plan_ms=None,
-        )
+        return replace(ev, prefill_ms=None, prefill_plan_ms=None)
     return ev

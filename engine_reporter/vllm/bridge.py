@@ -39,7 +39,9 @@ from broker.events import AllCleared, Event, LoadHeartbeat
 from engine_reporter import Reporter, new_epoch
 from engine_reporter.vllm.metrics import (
     MetricsError,
+    VllmLoad,
     build_heartbeat,
+    decode_figures,
     parse_metrics,
     served_models,
 )
@@ -118,6 +120,8 @@ class _LoadState:
     last_hb: LoadHeartbeat | None = None
     last_hb_at: float = -1e18
     start_time: float | None = None
+    scrape: VllmLoad | None = None  # the previous scrape, and when (its decode counters)
+    scrape_at: float = 0.0
     # When the event stream already showed a restart (sequence back to 0), the new process
     # start time that /metrics reports next is the same restart, not another one: resetting
     # again would wipe what the new process has announced since.
@@ -419,6 +423,8 @@ class VllmBridge:
                 async with self._lock:
                     await self._reset("vLLM process restarted")
                     self.tracker.reset()
+        decode = decode_figures(load, self._load.scrape, now - self._load.scrape_at)
+        self._load.scrape, self._load.scrape_at = load, now
         hb = build_heartbeat(
             load,
             url=base,
@@ -426,6 +432,7 @@ class VllmBridge:
             profile=cfg.profile,
             fallback_blocks=self._fallback_blocks,
             role=cfg.role,
+            decode=decode,
         )
         last = self._load.last_hb
         if last is None or last != hb or now - self._load.last_hb_at >= cfg.heartbeat_interval_s:

@@ -13,7 +13,16 @@ and maps it to :class:`~broker.events.LoadHeartbeat`:
   ``vllm:request_prompt_tokens`` histogram and the ``vllm:prefix_cache_hits`` / ``_queries``
   counters (0 before the first finished request);
 * ``vbs``: vLLM has no TPOT classes, so every running request weighs 1 (SCORPIO's TRP with one
-  class) and the virtual batch size is ``running``.
+  class) and the virtual batch size is ``running``;
+* the decode figures, over the interval since the previous scrape (None: no token came, or no
+  previous scrape): ``decode_step_ms`` the mean time between two tokens of a request
+  (``vllm:inter_token_latency_seconds``, older ``time_per_output_token_seconds``: in vLLM each
+  step gives every running request a token, so this is its mean step, prefill chunks mixed in
+  included, as the requests see it); ``decode_batch`` the mean number of requests between two of
+  their tokens over the interval (the latencies' sum over its length: the batch while it decodes
+  throughout); ``decode_context`` the mean prompt plus half the mean output of its requests
+  (``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``). The router fits the
+  engine's decode speed and takes its TPOT from them (vLLM sends no request events).
 
 ``process_start_time_seconds`` (when exported) reveals a vLLM restart; the bridge uses it.
 """
@@ -47,6 +56,10 @@ class VllmLoad:
     prefix_cache_hits: float
     prefix_cache_queries: float
     process_start_time: float | None
+    # the inter-token latencies so far (seconds, count; cumulative counters)
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
+    mean_generation_tokens: float | None = None
 
 
 def _finite(v: float) -> bool:
@@ -83,6 +96,10 @@ def parse_metrics(text: str) -> VllmLoad:
     mean_prompt = sums["vllm:request_prompt_tokens_sum"] / count if count > 0 else None
     hits = sums.get("vllm:prefix_cache_hits_total", 0.0)
     queries = sums.get("vllm:prefix_cache_queries_total", 0.0)
+    itl = "vllm:inter_token_latency_seconds"
+    if itl + "_count" not in sums:
+        itl = "vllm:time_per_output_token_seconds"
+    generated = sums.get("vllm:request_generation_tokens_count", 0.0)
     return VllmLoad(
         waiting=max(0, round(sums.get("vllm:num_requests_waiting", 0.0))),
         running=max(0, round(sums.get("vllm:num_requests_running", 0.0))),
@@ -94,6 +111,41 @@ def parse_metrics(text: str) -> VllmLoad:
         prefix_cache_hits=hits,
         prefix_cache_queries=queries,
         process_start_time=sums.get("process_start_time_seconds"),
+        itl_sum=sums.get(itl + "_sum", 0.0),
+        itl_count=sums.get(itl + "_count", 0.0),
+        mean_generation_tokens=(
+            sums["vllm:request_generation_tokens_sum"] / generated if generated > 0 else None
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFigures:
+    """A heartbeat's decode figures over one scrape interval (see the module docstring)."""
+
+    step_ms: float
+    batch: float
+    context: float | None
+
+
+def decode_figures(
+    load: VllmLoad, previous: VllmLoad | None, interval_s: float
+) -> DecodeFigures | None:
+    """The decode figures between the ``previous`` scrape and ``load``, ``interval_s`` apart
+    (None: no previous scrape, no token since, or counters that went back: a restart)."""
+    if previous is None or not interval_s > 0:
+        return None
+    count = load.itl_count - previous.itl_count
+    total_s = load.itl_sum - previous.itl_sum
+    if not (count > 0 and total_s > 0):
+        return None
+    context = None
+    if load.mean_prompt_tokens is not None:
+        context = load.mean_prompt_tokens + (load.mean_generation_tokens or 0.0) / 2.0
+    return DecodeFigures(
+        step_ms=1000.0 * total_s / count,
+        batch=max(total_s / interval_s, 1.0),
+        context=context,
     )
 
 
@@ -105,8 +157,10 @@ def build_heartbeat(
     profile: str,
     fallback_blocks: int,
     role: str = "both",
+    decode: DecodeFigures | None = None,
 ) -> LoadHeartbeat:
-    """The heartbeat for one scrape (see the module docstring for each field)."""
+    """The heartbeat for one scrape (see the module docstring for each field; ``decode``:
+    :func:`decode_figures` of the interval since the previous one)."""
     total = load.kv_blocks_total or fallback_blocks
     used = round((load.kv_usage or 0.0) * total)
     queued = 0
@@ -124,6 +178,9 @@ def build_heartbeat(
         url=url,
         models=models,
         role=role,
+        decode_step_ms=decode.step_ms if decode else None,
+        decode_batch=decode.batch if decode else None,
+        decode_context=decode.context if decode else None,
         # vLLM's own scheduler: first come first served, nothing rejected for its SLO (an
         # engine running kvgate's SloScheduler reports its heartbeats itself)
         queue_order="arrival",

@@ -180,7 +180,7 @@ def test_ingress_delays_routing_by_body_size() -> None:
 @pytest.mark.parametrize("gateway_ttft", [True, False])
 def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_ttft: bool) -> None:
     """``request_events`` off, the engines report as a plain vLLM behind the bridge: KV events
-    and heartbeats without step timings. The router then learns how fast an engine is only
+    and heartbeats without prefill timings. The router then learns how fast an engine is only
     from the TTFTs the gateway sees: the one twice as slow as its profile is found so."""
     link = LinkConfig(request_events=False, gateway_ttft=gateway_ttft)
     world = build_world("round_robin", "slo", SimConfig(engines=2, link=link, speeds=(1.0, 2.0)))
@@ -193,7 +193,7 @@ def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_tt
     assert kinds <= {LoadHeartbeat, BlockStored, BlockRemoved, AllCleared}
     assert BlockStored in kinds
     beats = [e.event for _, e in spy.seen if isinstance(e.event, LoadHeartbeat)]
-    assert all(b.decode_step_ms is None and b.prefill_ms is None for b in beats)
+    assert all(b.prefill_ms is None and b.prefill_plan_ms is None for b in beats)
     cluster = spy.router.router.cluster  # (the spy, around the timing wrapper)
     fitted = cluster.engines["e01"].speed.prefill
     if gateway_ttft:

@@ -1117,3 +1117,20 @@ def test_the_gateways_first_token_stands_in_for_an_engine_without_request_events
     assert not f.router.first_token("r2", other, 3 * prof.prefill_ms(10_000), 3.0)
     assert "r2" in cl.engines[other].open_prefill
     assert _view(f, 3.0, other)[1].prefill_scale == 1.0
+
+
+def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -> None:
+    """A plain vLLM behind the bridge never sends RequestFinished: its TPOT (the windowed load's
+    price of an output token) is its heartbeats' mean decode step, and the same figure fits its
+    decode speed. An engine that sends request events keeps their exact TPOTs."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    prof = cl.engines["e0"].profile
+    assert cl.engines["e0"].tpot_ms == 150.0  # the seed
+    step = prof.decode_step_ms(4.0, 500.0) * 2  # twice as slow as its profile
+    f.heartbeat("e0", 1.0, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
+    assert cl.engines["e0"].tpot_ms == pytest.approx(step)
+    assert _view(f, 1.1)[1].decode_scale == pytest.approx(2.0)
+    f.send("e1", RequestFinished("x", 10, 100.0, 40.0), 1.0)  # e1 reports its requests
+    f.heartbeat("e1", 1.2, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
+    assert cl.engines["e1"].tpot_ms == pytest.approx(40.0)
