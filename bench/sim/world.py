@@ -435,9 +435,18 @@ BRIDGED_EVENTS = (BlockStored, BlockRemoved, AllCleared, LoadHeartbeat)
 
 def _as_bridged(ev: Event) -> Event:
     """``ev`` as the bridge would report it: a heartbeat without the prefill timings vLLM does
-    not export; its decode figures stay (the bridge reads them off vLLM's inter-token latencies,
-    :func:`engine_reporter.vllm.metrics.decode_figures`, which also hold the prefill chunks
-    mixed into a step: the simulated engine's mean decode step is the optimistic side of that)."""
+    not export, and with the decode step's batch and context only for an interval of pure
+    decode (no prefill in it, nothing waiting), as the bridge reads them off vLLM's
+    inter-token latencies (:func:`engine_reporter.vllm.metrics.decode_figures`). The step itself
+    stays: vLLM's holds the prefill chunks mixed into it, the simulated engine's decode step
+    not, so the emulated TPOT is the optimistic side of vLLM's."""
     if isinstance(ev, LoadHeartbeat):
-        return replace(ev, prefill_ms=None, prefill_plan_ms=None)
+        pure = ev.prefill_ms is None and ev.waiting == 0
+        return replace(
+            ev,
+            prefill_ms=None,
+            prefill_plan_ms=None,
+            decode_batch=ev.decode_batch if pure else None,
+            decode_context=ev.decode_context if pure else None,
+        )
     return ev

