@@ -247,6 +247,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the requests the router sheds anyway, to measure the SLO filter's precision",
     )
+    p.add_argument(
+        "--reporting",
+        default=None,
+        choices=("events", "bridge"),
+        help="what the engines report: events (kvgate's engine, the default) or bridge (as a "
+        "plain vLLM behind the bridge: KV events and heartbeats only; the gateway reports each "
+        "answer's first token)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument(
         "--knees-from",
@@ -403,6 +411,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
         "max_window_requests",
         "slow_factor",
         "scheduler",
+        "reporting",
     ):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)

@@ -98,6 +98,9 @@ def profile_digest(profile: str) -> str:
     return hashlib.sha256(orjson.dumps(data, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
+REPORTING = ("events", "bridge")
+
+
 @dataclass(frozen=True, slots=True)
 class MatrixSpec:
     """What the matrix runs (picklable: worker processes rebuild workloads from it)."""
@@ -131,8 +134,14 @@ class MatrixSpec:
     # run the requests the router sheds anyway (bench.sim.world.LinkConfig.run_shed): how
     # many of them would have missed their SLO (the SLO filter's precision)
     run_shed: bool = False
+    # what the engines report: "events" (kvgate's engine: request events, step timings) or
+    # "bridge" (a plain vLLM behind the bridge: KV events and heartbeats only, the gateway
+    # reporting each answer's first token; bench.sim.world.LinkConfig.request_events)
+    reporting: str = "events"
 
     def __post_init__(self) -> None:
+        if self.reporting not in REPORTING:
+            raise ValueError(f"reporting {self.reporting!r}: one of {', '.join(REPORTING)}")
         for kind in self.kinds:
             if kind not in KINDS:
                 raise ValueError(f"fleet kind {kind!r}: one of {', '.join(KINDS)}")
@@ -160,7 +169,12 @@ class MatrixSpec:
             engines=fleet,
             profile=self.profile,
             # events reach the router 2-3 ms after they happen, jittered by the seed
-            link=LinkConfig(link_jitter_s=LINK_JITTER_S, seed=seed, run_shed=self.run_shed),
+            link=LinkConfig(
+                link_jitter_s=LINK_JITTER_S,
+                seed=seed,
+                run_shed=self.run_shed,
+                request_events=self.reporting == "events",
+            ),
             seed=seed,
             slow_factor=self.slow_factor if kind == "hetero" else 1.0,
         )

@@ -127,6 +127,10 @@ class _EngineSlot:
     wake_version: int = 0
     last_delivery: float = 0.0
     routed: int = 0
+    # the inter-token latencies of its requests since its last heartbeat (ms, count), for a
+    # bridged engine's heartbeat (vLLM's vllm:inter_token_latency_seconds)
+    itl_ms: float = 0.0
+    itl_count: int = 0
 
 
 @dataclass(slots=True)
@@ -348,6 +352,9 @@ class World:
                 u.cached_tokens if flight.decode_engine is None else flight.prefill_cached
             )
             rec.tpot_s = u.tpot_ms / 1000.0 if u.completion_tokens > 1 else None
+            if u.completion_tokens > 1:
+                slot.itl_ms += u.tpot_ms * (u.completion_tokens - 1)
+                slot.itl_count += u.completion_tokens - 1
             del self._flights[out.request_id]
             self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
 
@@ -391,7 +398,7 @@ class World:
         envs = []
         seq = slot.seq
         if not self.link.request_events:
-            events = [_as_bridged(ev) for ev in events if isinstance(ev, BRIDGED_EVENTS)]
+            events = [self._as_bridged(slot, ev) for ev in events if isinstance(ev, BRIDGED_EVENTS)]
             if not events:
                 return
         for ev in events:
@@ -405,6 +412,27 @@ class World:
         slot.last_delivery = at
         self.stats.envelopes += len(envs)
         self.loop.schedule(at, Kind.DELIVER, envs)
+
+    def _as_bridged(self, slot: _EngineSlot, ev: Event) -> Event:
+        """``ev`` as the bridge would report it (:mod:`engine_reporter.vllm.metrics`): a
+        heartbeat without the prefill timings vLLM does not export, its decode step the mean
+        inter-token latency of the engine's requests since the previous one (what vLLM exports:
+        a step's prefill mixed in included; here counted when each request ends), and the
+        batch and context only for an interval of pure decode (no prefill in it, nothing
+        waiting), the only one in which that latency is the decode step."""
+        if not isinstance(ev, LoadHeartbeat):
+            return ev
+        itl = slot.itl_ms / slot.itl_count if slot.itl_count else None
+        slot.itl_ms, slot.itl_count = 0.0, 0
+        pure = ev.prefill_ms is None and ev.waiting == 0 and ev.decode_step_ms is not None
+        return replace(
+            ev,
+            prefill_ms=None,
+            prefill_plan_ms=None,
+            decode_step_ms=ev.decode_step_ms if pure else itl,
+            decode_batch=ev.decode_batch if pure else None,
+            decode_context=ev.decode_context if pure else None,
+        )
 
     def _on_deliver(self, envs: list[Envelope], now: float) -> None:
         self.stats.deliveries += 1
@@ -431,22 +459,3 @@ class World:
 # what a plain vLLM behind the bridge reports (engine_reporter.vllm): its KV events, and
 # heartbeats read off its /metrics
 BRIDGED_EVENTS = (BlockStored, BlockRemoved, AllCleared, LoadHeartbeat)
-
-
-def _as_bridged(ev: Event) -> Event:
-    """``ev`` as the bridge would report it: a heartbeat without the prefill timings vLLM does
-    not export, and with the decode step's batch and context only for an interval of pure
-    decode (no prefill in it, nothing waiting), as the bridge reads them off vLLM's
-    inter-token latencies (:func:`engine_reporter.vllm.metrics.decode_figures`). The step itself
-    stays: vLLM's holds the prefill chunks mixed into it, the simulated engine's decode step
-    not, so the emulated TPOT is the optimistic side of vLLM's."""
-    if isinstance(ev, LoadHeartbeat):
-        pure = ev.prefill_ms is None and ev.waiting == 0
-        return replace(
-            ev,
-            prefill_ms=None,
-            prefill_plan_ms=None,
-            decode_batch=ev.decode_batch if pure else None,
-            decode_context=ev.decode_context if pure else None,
-        )
-    return ev

@@ -282,3 +282,14 @@ def test_cells_are_judged_on_the_p99_of_all_requests() -> None:
     assert v["cells_failed"] == [
         "w/4/homo/x2: attainment -4.0 pt vs round_robin, p99 of all requests none for any policy"
     ]
+
+
+def test_engines_can_report_as_vllm_behind_the_bridge() -> None:
+    """``reporting="bridge"``: the cells' engines send no request events (the simulator's
+    ``LinkConfig.request_events``), as a plain vLLM behind the bridge; the gateway reports each
+    answer's first token. Anything else is refused."""
+    assert MatrixSpec().sim_config(4, "homo", 0).link.request_events
+    link = MatrixSpec(reporting="bridge").sim_config(4, "homo", 0).link
+    assert not link.request_events and link.gateway_ttft
+    with pytest.raises(ValueError, match="reporting"):
+        MatrixSpec(reporting="vllm")

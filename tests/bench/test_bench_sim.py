@@ -195,6 +195,10 @@ def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_tt
     beats = [e.event for _, e in spy.seen if isinstance(e.event, LoadHeartbeat)]
     assert all(b.prefill_ms is None and b.prefill_plan_ms is None for b in beats)
     cluster = spy.router.router.cluster  # (the spy, around the timing wrapper)
+    # the decode step is the requests' mean inter-token latency (vLLM's metric), the TPOT the
+    # router keeps: the slow engine's twice the other's
+    tpots = [cluster.engines[e].tpot_ms for e in ("e00", "e01")]
+    assert tpots[0] != 150.0 and tpots[1] / tpots[0] == pytest.approx(2.0, rel=0.2)
     fitted = cluster.engines["e01"].speed.prefill
     if gateway_ttft:
         assert fitted == pytest.approx(2.0, rel=0.1)
