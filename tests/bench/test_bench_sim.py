@@ -21,6 +21,7 @@ from broker.events import (
 )
 from kvgate.cost_model import default_profile
 from kvgate.slo import Slo
+from router.cluster_state import ClusterConfig
 
 PROFILE = default_profile()
 RELAXED = Slo(600_000.0, 10_000.0)
@@ -180,10 +181,16 @@ def test_ingress_delays_routing_by_body_size() -> None:
 @pytest.mark.parametrize("gateway_ttft", [True, False])
 def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_ttft: bool) -> None:
     """``request_events`` off, the engines report as a plain vLLM behind the bridge: KV events
-    and heartbeats without prefill timings. The router then learns how fast an engine is only
-    from the TTFTs the gateway sees: the one twice as slow as its profile is found so."""
+    and heartbeats without prefill timings. The router then learns how fast an engine prefills
+    only from the TTFTs the gateway sees (with ``fit_gateway_ttft``): the one twice as slow as
+    its profile is found so."""
     link = LinkConfig(request_events=False, gateway_ttft=gateway_ttft)
-    world = build_world("round_robin", "slo", SimConfig(engines=2, link=link, speeds=(1.0, 2.0)))
+    cluster_cfg = ClusterConfig(fit_gateway_ttft=True)
+    world = build_world(
+        "round_robin",
+        "slo",
+        SimConfig(engines=2, link=link, speeds=(1.0, 2.0), cluster=cluster_cfg),
+    )
     spy = _Spy(world.router)
     world.router = spy
     # spaced out: each request finds its engine idle

@@ -1,8 +1,8 @@
 """The gateway tells the router when a streamed answer's first token came: for an engine that
 sends no request events (a static one here, a plain vLLM behind the bridge in production) it is
-the router's only word on when the prefill ended and how fast the engine is. The openai SDK
-streams through the real gateway and the embedded router to a fake OpenAI engine whose first
-token takes far longer than its cost profile says."""
+the router's only word on when the prefill ended, and (``--fit-gateway-ttft``) on how fast the
+engine is. The openai SDK streams through the real gateway and the embedded router to a fake
+OpenAI engine whose first token takes far longer than its cost profile says."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from broker import MemoryBroker
 from gateway.app import GATEWAY_KEY, create_app, serve
 from gateway.config import GatewayConfig, parse_engine_spec
 from gateway.routing import embedded_routing
+from router.cluster_state import ClusterConfig
+from router.core import RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,7 +75,10 @@ async def test_a_streamed_first_token_ends_the_prefill_and_fits_the_engines_spee
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     spec = parse_engine_spec(f"s0=http://127.0.0.1:{port},{MODEL}")
     try:
-        async with embedded_routing(MemoryBroker(), static_engines=(spec,)) as routing:
+        config = RouterConfig("e2", {}, ClusterConfig(fit_gateway_ttft=True))
+        async with embedded_routing(
+            MemoryBroker(), static_engines=(spec,), router=config
+        ) as routing:
             cfg = GatewayConfig(health_interval_s=0.2, refresh_interval_s=0.2,
                                 static_engines=(spec,))  # fmt: skip
             app = create_app(cfg, routing.service, stats=routing.stats)
@@ -96,7 +101,8 @@ async def test_a_streamed_first_token_ends_the_prefill_and_fits_the_engines_spee
                 first = await anext(aiter(stream))
                 assert first.choices[0].text == "t"
                 # mid-stream: the router has the first token (the prefill is no longer queued
-                # work there, the request decodes) and the idle engine's TTFT says it is slow
+                # work there, the request decodes); with --fit-gateway-ttft the idle engine's
+                # TTFT says it is slow
                 await wait_until(lambda: bool(engine.decoding), 5)
                 assert not engine.open_prefill and engine.inflight == 1
                 assert engine.speed.prefill_evidence > 0.0

@@ -1095,8 +1095,9 @@ def test_e2_skipping_contenders_by_their_cost_bound_changes_no_decision(
 def test_the_gateways_first_token_stands_in_for_an_engine_without_request_events() -> None:
     """A plain vLLM behind the bridge sends no request events: the gateway's TTFT of a streamed
     answer ends the request's prefill in the router's books (instead of a guess), starts its
-    decode, and an idle engine's TTFT fits its speed; an engine's own events take precedence."""
-    f = Fleet(n=2)
+    decode, and (``fit_gateway_ttft``) an idle engine's TTFT fits its speed; an engine's own
+    events take precedence."""
+    f = Fleet(n=2, fit_gateway_ttft=True)
     prof = f.router.cluster.engines["e0"].profile
     cl = f.router.cluster
     key = b"i" * 40_000  # 10k tokens on an idle engine: its TTFT is its prefill time
@@ -1117,6 +1118,13 @@ def test_the_gateways_first_token_stands_in_for_an_engine_without_request_events
     assert not f.router.first_token("r2", other, 3 * prof.prefill_ms(10_000), 3.0)
     assert "r2" in cl.engines[other].open_prefill
     assert _view(f, 3.0, other)[1].prefill_scale == 1.0
+    # by default the gateway's TTFT ends the prefill but fits nothing (it holds the host's and
+    # the HTTP path's delays too)
+    g = Fleet(n=1)
+    g.route("r", key, 1.0)
+    assert g.router.first_token("r", "e0", 3 * prof.prefill_ms(10_000), 2.0)
+    assert "r" in g.router.cluster.engines["e0"].decoding
+    assert _view(g, 2.0)[1].prefill_scale == 1.0
 
 
 def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -> None:

@@ -29,6 +29,7 @@ ARGV = [
     "--seed",
     "7",
     "--no-fit-speed",
+    "--fit-gateway-ttft",
 ]
 
 
@@ -60,6 +61,8 @@ def test_the_same_flags_give_the_same_router_config() -> None:
     assert r.policy_options == {"work_weight": 2, "rebalance": True}
     assert r.cluster.window_s == 60.0 and r.cluster.tree_budget_bytes == 64 << 20
     assert r.cluster.speculative_ttl_s == 3.0 and r.cluster.fit_speed is False
+    assert r.cluster.fit_gateway_ttft is True
+    assert router_config(sub("router").parse_args([])).cluster.fit_gateway_ttft is False
 
 
 async def test_the_embedded_router_runs_with_the_flags() -> None:
