@@ -19,8 +19,9 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
   and at its first token the TTFT the gateway saw (``gateway_ttft``: as of a streamed answer);
 * ``request_events`` off, the engines report as a plain vLLM behind the bridge does: KV events
   and heartbeats without prefill timings, no request events (the router then knows a request's
-  prefill ended, and how fast the engine prefills, only from the gateway's TTFTs; its decode
-  steps from the heartbeats, as the bridge reads them off vLLM's /metrics);
+  prefill ended only from the gateway's TTFTs, and how fast the engine prefills only from them
+  with ``ClusterConfig.fit_gateway_ttft``; its TPOT and decode steps from the heartbeats, as the
+  bridge reads them off vLLM's /metrics);
 * a disaggregated decision (``router.pd``) runs as the gateway runs it: the prefill on its
   engine with one output token, then the prompt's KV crosses the link (``TRANSFER``,
   ``kv_ms_per_token`` x prompt tokens after the prefill's token, plus the network delay) into
