@@ -254,10 +254,19 @@ class Router:
                     "profile": eng.profile.name,
                     "role": eng.role,
                     "reports_kv": eng.reports_kv,
+                    "reports_requests": eng.reports_requests,
                     "inflight": eng.inflight,
                     "routed_total": eng.routed_total,
                     "load_ms": round(ev.load_ms, 3),
                     "tpot_ms": round(eng.tpot_ms, 3),
+                    # the online fit: how much slower (> 1) than its profile it runs, and the
+                    # weight of the evidence (0: nothing measured, the profile is trusted)
+                    "speed": {
+                        "prefill": round(eng.speed.prefill, 4),
+                        "decode": round(eng.speed.decode, 4),
+                        "prefill_evidence": round(eng.speed.prefill_evidence, 2),
+                        "decode_evidence": round(eng.speed.decode_evidence, 2),
+                    },
                     "hit_ratio_30s": round(ev.hit_ratio, 4),
                     "cached_bytes": cl.tree.held_bytes.get(eng.engine_id, 0),
                     "heartbeat": None

@@ -186,6 +186,22 @@ class _StateCollector(Collector):
         engines.add_metric(["dead"], sum(1 for e in infos if not e.alive))
         engines.add_metric(["draining"], sum(1 for e in infos if e.draining))
         yield engines
+        speed = GaugeMetricFamily(
+            "kvgate_router_engine_speed_factor",
+            "Each engine's fitted time factor against its cost profile (> 1: slower)",
+            labels=["engine", "phase"],
+        )
+        tpot = GaugeMetricFamily(
+            "kvgate_router_engine_tpot_seconds",
+            "Each engine's TPOT as the router prices it (median of its recent measurements)",
+            labels=["engine"],
+        )
+        for eid, eng in sorted(router.cluster.engines.items()):
+            speed.add_metric([eid, "prefill"], eng.speed.prefill)
+            speed.add_metric([eid, "decode"], eng.speed.decode)
+            tpot.add_metric([eid], eng.tpot_ms / 1000.0)
+        yield speed
+        yield tpot
         events = CounterMetricFamily(
             "kvgate_router_events", "Broker events applied, by kind", labels=["kind"]
         )

@@ -205,12 +205,23 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
             async with http.get(f"{base}/state") as resp:
                 st = await resp.json()
                 assert st["tree"]["bytes"] >= len(DOC_A) and st["engines"][0]["engine_id"] == "eng0"
+                assert st["engines"][0]["speed"] == {
+                    "prefill": 1.0,
+                    "decode": 1.0,
+                    "prefill_evidence": 0.0,
+                    "decode_evidence": 0.0,
+                }
+                assert st["engines"][0]["reports_requests"] is False
             async with http.get(f"{base}/metrics") as resp:
                 text = await resp.text()
                 assert 'kvgate_router_decisions_total{policy="e2",reason="exploit"} 1.0' in text
                 assert "kvgate_router_decision_seconds_bucket" in text
                 assert "kvgate_router_tree_bytes" in text
                 assert "kvgate_router_broker_lag_seconds" in text
+                assert (
+                    'kvgate_router_engine_speed_factor{engine="eng0",phase="prefill"} 1.0' in text
+                )
+                assert 'kvgate_router_engine_tpot_seconds{engine="eng0"} 0.15' in text
             async with http.get(f"{base}/health") as resp:
                 assert resp.status == 200 and (await resp.json())["engines_alive"] == 1
             async with http.post(f"{base}/engines/eng0/drain") as resp:
