@@ -176,30 +176,29 @@ def main(argv: list[str] | None = None) -> int:
         "reporting": args.reporting,
         "true_time_factors": speeds,
     }
+    # (key, the engines' link, fit_speed, fit_gateway_ttft, title)
     if bridge:
         muted = LinkConfig(request_events=False)
         runs = (
-            ("fit", muted, True, "e2 behind the bridge, prefill fitted from the gateway's TTFTs"),
-            ("no_fit", muted, False, "... not fitted from them (the default)"),
+            (
+                "fit",
+                muted,
+                True,
+                True,
+                "e2 behind the bridge, prefill fitted from the gateway's TTFTs",
+            ),
+            ("no_fit", muted, True, False, "... not fitted from them (the default)"),
         )
-
     else:
         runs = (
-            ("fit", LinkConfig(), False, "e2, online fit on"),
-            ("no_fit", LinkConfig(), False, "e2, online fit off"),
+            ("fit", LinkConfig(), True, False, "e2, online fit on"),
+            ("no_fit", LinkConfig(), False, False, "e2, online fit off"),
         )
-    for key, link, gateway_fit, title in runs:
-        fit = bridge or key == "fit"
+    for key, link, fit, gateway_fit, title in runs:
         records, factors, summary = run(
-            args.workload,
-            args.engines,
-            args.requests,
-            args.load,
-            fit,
-            args.seed,
-            link,
+            args.workload, args.engines, args.requests, args.load, fit, args.seed, link,
             gateway_fit,
-        )
+        )  # fmt: skip
         series = errors_over_time(records, speeds, args.buckets)
         doc[key] = {
             "title": title,

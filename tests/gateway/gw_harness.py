@@ -30,6 +30,7 @@ class FakeEngine:
     chunks: int = 3
     chunk_gap_s: float = 0.0
     hold: asyncio.Event | None = None  # a stream waits here after its first chunk
+    first_chunk_delay_s: float = 0.0  # the time to its first token (or its whole JSON answer)
     requests: list[dict] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)  # lower-cased names
     raw_bodies: list[bytes] = field(default_factory=list)
@@ -66,6 +67,8 @@ class FakeEngine:
             return web.json_response(
                 {"error": {"message": "injected", "type": "x"}}, status=self.fail_status
             )
+        if self.first_chunk_delay_s:
+            await asyncio.sleep(self.first_chunk_delay_s)
         chat = request.path.endswith("chat/completions")
         obj = "chat.completion" if chat else "text_completion"
         usage = {"prompt_tokens": 5, "completion_tokens": self.chunks, "total_tokens": 8}

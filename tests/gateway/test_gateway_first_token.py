@@ -9,10 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import openai
-import orjson
 import pytest
-from aiohttp import web
-from gw_harness import wait_until
+from gw_harness import MODEL, FakeEngine, wait_until
 
 from broker import MemoryBroker
 from gateway.app import GATEWAY_KEY, create_app, serve
@@ -23,57 +21,13 @@ from router.core import RouterConfig
 
 pytestmark = pytest.mark.timeout(60)
 
-MODEL = "tiny"
 FIRST_TOKEN_S = 0.25  # the fake's time to first token: ~100x the profile's prefill of the prompt
 
 
-class SlowFirstToken:
-    """An OpenAI completions server that waits ``FIRST_TOKEN_S`` before its first chunk, then
-    holds the stream open until ``release`` is set."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.first_sent = asyncio.Event()
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.complete)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        return app
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    async def complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        await asyncio.sleep(FIRST_TOKEN_S)
-        chunk = {"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
-                 "choices": [{"index": 0, "text": "t", "finish_reason": None}]}  # fmt: skip
-        if not body.get("stream"):
-            chunk["choices"][0]["finish_reason"] = "stop"
-            return web.json_response(chunk)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        self.first_sent.set()
-        await self.release.wait()
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
 async def test_a_streamed_first_token_ends_the_prefill_and_fits_the_engines_speed() -> None:
-    fake = SlowFirstToken()
-    runner = web.AppRunner(fake.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    spec = parse_engine_spec(f"s0=http://127.0.0.1:{port},{MODEL}")
+    release = asyncio.Event()  # the stream waits after its first chunk until this is set
+    fake = await FakeEngine("s0", chunks=1, hold=release, first_chunk_delay_s=FIRST_TOKEN_S).start()
+    spec = parse_engine_spec(f"s0={fake.url},{MODEL}")
     try:
         config = RouterConfig("e2", {}, ClusterConfig(fit_gateway_ttft=True))
         async with embedded_routing(
@@ -92,14 +46,14 @@ async def test_a_streamed_first_token_ends_the_prefill_and_fits_the_engines_spee
                 await wait_until(lambda: gw.ready_at is not None or len(gw.pool.engines) == 1, 10)
                 # not streamed: the gateway sees no first token, the router learns nothing
                 done = await oc.completions.create(model=MODEL, prompt="q " * 200, max_tokens=2)
-                assert done.choices[0].text == "t"
+                assert done.choices[0].text == "x"
                 await wait_until(lambda: engine.inflight == 0, 5)
                 assert engine.speed.prefill_evidence == 0.0
                 stream = await oc.completions.create(
                     model=MODEL, prompt="p " * 200, max_tokens=2, stream=True
                 )
                 first = await anext(aiter(stream))
-                assert first.choices[0].text == "t"
+                assert first.choices[0].text == "x"
                 # mid-stream: the router has the first token (the prefill is no longer queued
                 # work there, the request decodes); with --fit-gateway-ttft the idle engine's
                 # TTFT says it is slow
@@ -107,12 +61,12 @@ async def test_a_streamed_first_token_ends_the_prefill_and_fits_the_engines_spee
                 assert not engine.open_prefill and engine.inflight == 1
                 assert engine.speed.prefill_evidence > 0.0
                 assert engine.speed.prefill > 4.0
-                fake.release.set()
+                release.set()
                 assert [c async for c in stream] == []
                 await wait_until(lambda: engine.inflight == 0, 5)
             finally:
-                fake.release.set()
+                release.set()
                 await oc.close()
                 await gw_runner.cleanup()
     finally:
-        await runner.cleanup()
+        await fake.stop()
