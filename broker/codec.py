@@ -90,7 +90,17 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
     if kind == "fi":
         return [kind, env.ts, ev.request_id, ev.output_tokens, ev.ttft_ms, ev.tpot_ms]
     if kind == "rj":
-        return [kind, env.ts, ev.request_id, ev.reason]
+        if not ev.cause and not ev.estimate_ms and not ev.estimate_tokens:
+            return [kind, env.ts, ev.request_id, ev.reason]
+        return [
+            kind,
+            env.ts,
+            ev.request_id,
+            ev.reason,
+            ev.cause,
+            ev.estimate_ms,
+            ev.estimate_tokens,
+        ]
     if kind == "hb":
         return [
             kind,
@@ -256,8 +266,8 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 6, "fi")
         return RequestFinished(*rec[2:]), offset
     if kind == "rj":
-        _arity(rec, 4, "rj")
-        return RequestRejected(rec[2], rec[3]), offset
+        _arity(rec, 4, "rj", optional=3)
+        return RequestRejected(*rec[2:]), offset
     if kind == "hb":
         _arity(rec, 11, "hb", optional=len(_HEARTBEAT_TAIL))
         models = rec[10]

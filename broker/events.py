@@ -28,6 +28,11 @@ ROLES: tuple[str, ...] = ("both", "prefill", "decode")
 # kvgate's ``slo`` scheduler, in its engine and in vLLM), or ``arrival``, first come first
 # served with nothing rejected for its SLO (vLLM's own scheduler; kvgate's ``fcfs``/``preble``)
 QUEUE_ORDERS: tuple[str, ...] = ("deadline", "arrival")
+# why an engine refused a request (RequestRejected.cause): unsaid (""), its TTFT SLO cannot be
+# met even by its prefill alone (``ttft``), or its TPOT SLO even by one decode step of it alone
+# (``tpot``); the engine's own time for that prefill or step is the event's ``estimate_ms``, for
+# ``estimate_tokens`` (the uncached prompt tokens, or the request's mean context decoding)
+REJECT_CAUSES: tuple[str, ...] = ("", "ttft", "tpot")
 
 
 class EventError(ValueError):
@@ -208,15 +213,30 @@ class RequestFinished:
 
 @dataclass(frozen=True, slots=True)
 class RequestRejected:
-    """The engine refused the request (e.g. its SLO cannot be met); ``reason`` says why."""
+    """The engine refused the request (e.g. its SLO cannot be met); ``reason`` says why, for
+    people. ``cause``, ``estimate_ms`` and ``estimate_tokens`` say it for the router
+    (:data:`REJECT_CAUSES`): the engine's own time for the prefill of the request's
+    ``estimate_tokens`` uncached prompt tokens alone (``ttft``), or for one decode step of it
+    alone at a context of ``estimate_tokens`` (``tpot``). An engine that refuses every request
+    it is sent serves none, so nothing else it reports shows how fast it is; without these, a
+    router that was told it is faster than it is keeps sending it requests. (The event carries
+    the tokens: the gateway's report of the refusal usually reaches the router first, and the
+    router forgets the request then.)"""
 
     KIND: ClassVar[str] = "rj"
     request_id: str
     reason: str
+    cause: str = ""
+    estimate_ms: float = 0.0
+    estimate_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_text("request_id", self.request_id)
         _check_text("reason", self.reason, max_len=1024)
+        if self.cause not in REJECT_CAUSES:
+            raise EventError(f"cause must be one of {REJECT_CAUSES}, got {self.cause!r}")
+        _check_ms("estimate_ms", self.estimate_ms)
+        _check_count("estimate_tokens", self.estimate_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from broker.events import (
 )
 from engine.costs import prefill_batch_ms
 from engine.prefix_cache import PrefixCache
-from engine.scheduler import make_policy
+from engine.scheduler import Refusal, make_policy
 from engine.scheduler.book import SchedBook
 from engine.scheduler.state import (
     EngineRequest,
@@ -170,18 +170,26 @@ class EngineCore(SchedBook):
             hit_ratio=(matched * p.block_bytes / len(req.key)) if req.key else 0.0,
         )
         need = len(hashes) + st.private_blocks
-        reason = None
+        refusal = None
         if need > p.kv_blocks:
-            reason = (
+            refusal = Refusal(
                 f"request needs {need} KV blocks ({req.input_tokens} prompt + "
                 f"{req.output_tokens} output tokens) but this engine has {p.kv_blocks} in all"
             )
         else:
-            reason = self.policy.check_submit(self, st, now)
-        if reason is not None:
+            refusal = self.policy.check_submit(self, st, now)
+        if refusal is not None:
             st.move(Phase.REJECTED)
-            self._events.append(RequestRejected(req.request_id, reason))
-            self._push_output(Output(req.request_id, rejected=reason), now)
+            self._events.append(
+                RequestRejected(
+                    req.request_id,
+                    refusal.reason,
+                    refusal.cause,
+                    refusal.estimate_ms,
+                    refusal.estimate_tokens,
+                )
+            )
+            self._push_output(Output(req.request_id, rejected=refusal.reason), now)
             self.rejected += 1
             return
         self._states[req.request_id] = st

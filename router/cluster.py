@@ -150,6 +150,7 @@ class Cluster(ClusterState):
             self.release(ev.request_id, "event", now)
         elif isinstance(ev, RequestRejected):
             eng.reports_requests = True
+            self._fit_refusal(eng, ev)
             self.release(ev.request_id, "event", now)
 
     def _first_token(
@@ -229,6 +230,27 @@ class Cluster(ClusterState):
             eng.speed.observe_prefill(predicted, ev.prefill_ms)
         elif rec is not None and rec.idle_prefill_ms > 0 and not rec.first_token:
             eng.speed.observe_prefill(rec.idle_prefill_ms, ev.ttft_ms, weight=IDLE_TTFT_WEIGHT)
+        else:
+            return
+        eng.view = None
+        self._load_dirty[eng.engine_id] = eng
+
+    def _fit_refusal(self, eng: _Engine, ev: RequestRejected) -> None:
+        """What a refusal says of the engine's speed: the engine's own time for the prefill of
+        the request's uncached prompt alone (``ttft``) or for one decode step of it alone
+        (``tpot``) against the profile's for the same tokens. An engine slower than it
+        announced that refuses every request it is sent serves none: no first token, no
+        finished request, no decode step in its heartbeats ever shows its speed, it looks
+        idle, and the router kept sending it requests (on a fleet whose every second engine
+        was 2x slower than announced and too slow for the TPOT SLO, e2 sent those engines 68
+        to 83% of the requests, all refused)."""
+        if not self.config.fit_speed or ev.estimate_ms <= 0 or ev.estimate_tokens <= 0:
+            return
+        if ev.cause == "tpot":
+            predicted = eng.profile.decode_step_ms(1, ev.estimate_tokens)
+            eng.speed.observe_decode(predicted, ev.estimate_ms)
+        elif ev.cause == "ttft":
+            eng.speed.observe_prefill(eng.profile.prefill_ms(ev.estimate_tokens), ev.estimate_ms)
         else:
             return
         eng.view = None

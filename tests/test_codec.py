@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from broker.codec import CodecError, decode_batch, decode_snapshot, encode_batch, encode_snapshot
 from broker.events import (
+    REJECT_CAUSES,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -82,6 +83,7 @@ events = st.one_of(
     first_token,
     st.builds(RequestFinished, ID, COUNT, MS, MS),
     st.builds(RequestRejected, ID, ID),
+    st.builds(RequestRejected, ID, ID, st.sampled_from(REJECT_CAUSES), MS, COUNT),  # for routers
     st.builds(RequestPreempted, ID),
     heartbeat,
 )
@@ -168,6 +170,25 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     newer = orjson.dumps(["e1", "ep", 0, [[*ordered, "extra"]]])
     with pytest.raises(CodecError, match="11 to 18 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
+    # a refusal's cause and the engine's own estimate came later too
+    old_rj = orjson.dumps(["e1", "ep", 0, [["rj", 1.0, "r1", "too slow"]]])
+    (env,) = decode_batch({b"v": b"1", b"h": old_rj, b"b": b""})
+    assert env.event == RequestRejected("r1", "too slow", "", 0.0, 0)
+    new_rj = orjson.dumps(["e1", "ep", 0, [["rj", 1.0, "r1", "too slow", "tpot", 116.0, 900]]])
+    (env,) = decode_batch({b"v": b"1", b"h": new_rj, b"b": b""})
+    assert (env.event.cause, env.event.estimate_ms, env.event.estimate_tokens) == (
+        "tpot",
+        116.0,
+        900,
+    )
+    for bad_rj, why in (
+        (["rj", 1.0, "r1", "x", "slow"], "cause must be one of"),
+        (["rj", 1.0, "r1", "x", "tpot", -1.0], "estimate_ms must be a finite non-negative"),
+        (["rj", 1.0, "r1", "x", "tpot", 1.0, 2.5], "estimate_tokens must be a non-negative int"),
+        (["rj", 1.0, "r1", "x", "tpot", 1.0, 2, 3], "4 to 7 items"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [bad_rj]]), b"b": b""})
 
 
 def test_batch_must_be_consecutive_and_one_engine() -> None:

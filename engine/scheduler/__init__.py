@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.scheduler.base import Policy, SchedView
+from engine.scheduler.base import Policy, Refusal, SchedView
 from engine.scheduler.fcfs import FcfsPolicy
 from engine.scheduler.preble import PreblePolicy
 from engine.scheduler.slo import SloPolicy
@@ -38,6 +38,7 @@ __all__ = [
     "POLICIES",
     "Policy",
     "PrefillUnit",
+    "Refusal",
     "ReqState",
     "SchedView",
     "SchedulerConfig",

@@ -8,11 +8,24 @@ prefill (:meth:`Policy.preempts`). *How long* a step takes comes from the cost p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.costs import TtftPredictor
 from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 from kvgate.cost_model import CostProfile
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a policy refuses a request at once: ``reason`` for the client and the logs, the rest
+    for the router (:class:`broker.events.RequestRejected`: the engine's own time for the
+    request's prefill alone, or for one decode step of it alone, and the tokens it is for)."""
+
+    reason: str
+    cause: str = ""
+    estimate_ms: float = 0.0
+    estimate_tokens: int = 0
 
 
 class SchedView(Protocol):
@@ -69,8 +82,8 @@ class Policy(Protocol):
     name: str
     queue_order: str
 
-    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
-        """A reason to reject ``st`` at once, or None to queue it."""
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
+        """Why ``st`` is refused at once, or None to queue it."""
         ...
 
     def plan(self, view: SchedView, now: float) -> StepPlan:

@@ -7,7 +7,7 @@ nothing is rejected for its SLO and nothing is preempted.
 
 from __future__ import annotations
 
-from engine.scheduler.base import SchedView
+from engine.scheduler.base import Refusal, SchedView
 from engine.scheduler.chunked import chunked_step
 from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
 
@@ -16,7 +16,7 @@ class FcfsPolicy:
     name = "fcfs"
     queue_order = "arrival"
 
-    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         return None
 
     def plan(self, view: SchedView, now: float) -> StepPlan:

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
-from engine.scheduler.base import SchedView
+from engine.scheduler.base import Refusal, SchedView
 from engine.scheduler.chunked import chunked_step
 from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
 
@@ -43,7 +43,7 @@ class PreblePolicy:
         self.group = GROUPS - 1  # the group being visited
         self.left = group_quota(self.group)  # admissions left in this visit
 
-    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         return None
 
     def plan(self, view: SchedView, now: float) -> StepPlan:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 
-from engine.scheduler.base import SchedView
+from engine.scheduler.base import Refusal, SchedView
 from engine.scheduler.state import Phase, PrefillUnit, ReqState, StepPlan
 from kvgate.cost_model import prefill_share
 
@@ -66,22 +66,28 @@ class SloPolicy:
 
     # ------------------------------------------------------------------ interface
 
-    def check_submit(self, view: SchedView, st: ReqState, now: float) -> str | None:
+    def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         pred_ms = view.predict(min(st.prefill_tokens, view.config.chunk_tokens))
         pred_ms += view.predict(max(st.prefill_tokens - view.config.chunk_tokens, 0))
         slo = st.req.slo
         if now + pred_ms / 1000.0 > st.deadline:
-            return (
+            return Refusal(
                 f"TTFT SLO of {slo.ttft_ms:g} ms cannot be met: prefilling "
                 f"{st.prefill_tokens} uncached prompt tokens alone takes about {pred_ms:.0f} ms "
-                "on this engine"
+                "on this engine",
+                "ttft",
+                pred_ms,
+                st.prefill_tokens,
             )
         cfg = view.config
         step_ms = self._lone_step_ms(view, st)
         if step_ms * cfg.vbs_safety >= cfg.vbs_margin * slo.tpot_ms:
-            return (
+            return Refusal(
                 f"TPOT SLO of {slo.tpot_ms:g} ms cannot be met: one decode step of this request "
-                f"alone takes about {step_ms:.1f} ms (x{cfg.vbs_safety:g} safety) on this engine"
+                f"alone takes about {step_ms:.1f} ms (x{cfg.vbs_safety:g} safety) on this engine",
+                "tpot",
+                step_ms,
+                round(st.mean_context),
             )
         return None
 

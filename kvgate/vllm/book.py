@@ -295,12 +295,20 @@ class VllmBook(SchedBook):
             cached_tokens=min(max(a.cached_tokens, 0), a.prompt_tokens - 1),
             hit_ratio=0.0,
         )
-        reason = self.policy.check_submit(self, st, now)
-        if reason is not None:
+        refusal = self.policy.check_submit(self, st, now)
+        if refusal is not None:
             if self.reject_mode:
                 self.stats.rejected += 1
-                self._events.append(RequestRejected(event_id, reason))
-                return reason
+                self._events.append(
+                    RequestRejected(
+                        event_id,
+                        refusal.reason,
+                        refusal.cause,
+                        refusal.estimate_ms,
+                        refusal.estimate_tokens,
+                    )
+                )
+                return refusal.reason
             floor = self.policy.min_tpot_ms(self, st)
             if a.slo.tpot_ms <= floor:
                 self.stats.tpot_raised += 1

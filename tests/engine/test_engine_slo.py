@@ -77,6 +77,24 @@ def test_infeasible_request_is_rejected_with_a_reason_once_its_slack_is_gone() -
     assert any(isinstance(e, RequestRejected) for e in c.drain_events())
 
 
+def test_a_refusal_on_arrival_tells_the_router_why_and_the_engines_own_figure() -> None:
+    """The cause and the engine's time behind a refusal at once reach the router in the event
+    (its speed fit reads them: an engine that refuses everything shows its speed no other way)."""
+    c = core(token_budget=100)
+    c.submit(req("slow-prefill", 300, ttft_ms=100), 0.0)  # 300 ms of prefill alone
+    c.submit(req("tight-tpot", 10, tpot_ms=5), 0.0)  # one decode step alone: 10 ms and more
+    c.submit(req("fine", 10), 0.0)
+    run_until(c, 5.0)
+    refused = {e.request_id: e for e in c.drain_events() if isinstance(e, RequestRejected)}
+    assert set(refused) == {"slow-prefill", "tight-tpot"}
+    slow, tight = refused["slow-prefill"], refused["tight-tpot"]
+    assert (slow.cause, slow.estimate_tokens) == ("ttft", 300)
+    assert slow.estimate_ms == pytest.approx(300, rel=0.05)
+    assert (tight.cause, tight.estimate_tokens) == ("tpot", 10)  # its mean context: 10 + 1 / 2
+    assert tight.estimate_ms == pytest.approx(linear_profile().decode_step_ms(1, 10 + 1 / 2))
+    assert "TPOT SLO of 5 ms cannot be met" in refused["tight-tpot"].reason
+
+
 def test_a_paused_prefill_past_its_deadline_is_rejected_and_frees_its_place() -> None:
     # A (1000 ms of prefill, due at 1.2 s) starts; B (600 ms, due at 0.8 s) preempts it at
     # 0.109 s and is done at 0.709 s, when A still needs ~890 ms: it can no longer make 1.2 s.

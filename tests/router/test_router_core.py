@@ -775,6 +775,46 @@ def test_router_fits_each_engines_speed_from_its_reports() -> None:
     assert _view(g, 2.0)[1].prefill_scale == 1.0
 
 
+def test_an_engine_that_refuses_for_its_speed_is_fitted_from_its_refusals() -> None:
+    """An engine slower than it announced, too slow for a TPOT SLO, refuses each such request
+    at once: it never serves one, so no first token or decode step shows its speed. Its
+    refusal names the cause and its own time for one decode step of the request alone: the
+    router fits the engine's decode speed from that, and sends such requests elsewhere (it
+    kept sending them there, the engine looking idle)."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    prof = cl.engines["e0"].profile
+    doc = b"document " * 1_000
+    f.cache("e0", doc, 0.5)  # e0 holds the prefix: the requests' first choice
+    step = prof.decode_step_ms(1, len(doc) // 4 + 25)
+    slo = Slo(100_000.0, 1.5 * step * 1.3)  # met by one step as announced, not at twice it
+    first = f.route("r0", doc + b"q0", 1.0, slo=slo)
+    assert first.engine_id == "e0"
+    context = 2_300
+    # a refusal that says nothing of the engine's figures changes nothing
+    f.send("e0", RequestRejected("r0", "busy"), 1.0)
+    assert _view(f, 1.0)[1].decode_scale == 1.0
+    assert f.route("r1", doc + b"q1", 1.1, slo=slo).engine_id == "e0"
+    # the gateway's report of the 429 comes first (the router forgets the request then): the
+    # event carries the tokens its figure is for
+    assert f.router.report("r1", "e0", "failed", 1.1)
+    refused_step = 2 * prof.decode_step_ms(1, context)
+    f.send("e0", RequestRejected("r1", "too slow", "tpot", refused_step, context), 1.1)
+    assert _view(f, 1.2)[1].decode_scale == pytest.approx(2.0)
+    for i in range(2, 6):  # the holder is now known to be too slow for this SLO
+        assert f.route(f"r{i}", doc + b"q%d" % i, 1.2, slo=slo).engine_id == "e1"
+    # a prefill too slow for the TTFT SLO says the same of the prefill speed
+    slow_prefill = 2 * prof.prefill_ms(3_000)
+    f.send("e1", RequestRejected("r5", "too slow", "ttft", slow_prefill, 3_000), 1.3)
+    assert _view(f, 1.4, "e1")[1].prefill_scale == pytest.approx(2.0)
+    assert _view(f, 1.4, "e1")[1].decode_scale == 1.0
+    # switched off: the profile is trusted
+    g = Fleet(n=1, fit_speed=False)
+    g.route("x", doc, 1.0, slo=slo)
+    g.send("e0", RequestRejected("x", "slow", "tpot", 10 * step, 2_300), 1.0)
+    assert _view(g, 1.1)[1].decode_scale == 1.0
+
+
 def test_heartbeats_timing_prefill_work_fit_the_speed_before_any_first_token() -> None:
     """An engine that times its prefill work in heartbeats is fitted from them at once (a slow
     engine's first token can take seconds), and only from them: a first token's figures
