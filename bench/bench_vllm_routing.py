@@ -65,6 +65,7 @@ from bench.workloads.synthetic import Zipf
 from engine_reporter.hashing import chain_hashes, split_blocks
 from engine_reporter.vllm.metrics import parse_metrics
 from kvgate.cost_model import CostProfile, load_profile
+from kvgate.stats import percentile
 
 RESULT = Path("results/vllm_routing.json")
 REPLICA_RESULT = Path("results/vllm_routing_replica.json")
@@ -166,6 +167,23 @@ def kvgate_router(
         yield url
     finally:
         stop(procs)
+        drop_keys(args.redis, prefix)
+
+
+def drop_keys(redis_url: str, prefix: str) -> None:
+    """Delete a run's streams and snapshots (each run has its own prefix: left behind, three
+    engines' worth a run piled up in Redis)."""
+    import redis  # only to delete the benchmark's keys
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    except redis.RedisError as exc:
+        print(f"could not delete the run's keys ({prefix}*): {exc}", file=sys.stderr)
+    finally:
+        client.close()
 
 
 @contextlib.contextmanager
@@ -329,8 +347,12 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
     before = {e.name: e.counters() for e in engines}
     errors = 0
     routes: list[str] = []
+    latencies: list[float] = []
+    ttfts: list[float] = []
 
-    def send(prompt: str) -> tuple[bool, str]:
+    def send(prompt: str) -> tuple[bool, str, float, float | None]:
+        """One request: whether it succeeded, its route header, its latency (s) and, streamed,
+        its time to the first piece of the answer (s)."""
         body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
                            "stream": args.stream})  # fmt: skip
         req = urllib.request.Request(
@@ -339,18 +361,30 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
             method="POST",
             headers={"content-type": "application/json", "x-kvgate-debug": "1"},
         )
+        start = time.perf_counter()
+        first = None
         try:
             with urllib.request.urlopen(req, timeout=120) as resp:
+                if args.stream:
+                    # the first SSE event carries the first token
+                    while (line := resp.readline()) and not line.startswith(b"data:"):
+                        pass
+                    first = time.perf_counter() - start
                 resp.read()
-                return resp.status == 200, resp.headers.get("x-kvgate-route", "")
+                route = resp.headers.get("x-kvgate-route", "")
+                return resp.status == 200, route, time.perf_counter() - start, first
         except HTTP_ERRORS:
-            return False, ""
+            return False, "", time.perf_counter() - start, None
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        for ok, route in pool.map(send, prompts):
+        for ok, route, latency, ttft in pool.map(send, prompts):
             errors += not ok
             routes.append(route)
+            if ok:
+                latencies.append(latency)
+                if ttft is not None:
+                    ttfts.append(ttft)
     wall = time.monotonic() - t0
     time.sleep(1.0)
     after = {e.name: e.counters() for e in engines}
@@ -364,8 +398,18 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
         "max_engine_share": round(max(served.values()) / total, 4),
         "errors": errors,
         "wall_s": round(wall, 2),
+        # what the client saw (ms): the whole answer's latency, and streamed, its first token's
+        "latency_ms": _quantiles(latencies),
+        "ttft_ms": _quantiles(ttfts) if ttfts else None,
         "routes": routes,  # kvgate's x-kvgate-route per request, in order (others: empty)
     }
+
+
+def _quantiles(seconds: list[float]) -> dict[str, float] | None:
+    """p50 and p99 of ``seconds``, in ms."""
+    if not seconds:
+        return None
+    return {q: round(percentile(seconds, v) * 1e3, 1) for q, v in (("p50", 0.5), ("p99", 0.99))}
 
 
 def reset_caches(engines: list[Engine]) -> None:
@@ -423,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sim-rate",
         type=float,
-        default=16.0,
-        help="--simulate: requests per second (the live runs' pace at concurrency 4)",
+        default=70.0,
+        help="--simulate: requests per second (the live runs' pace at concurrency 4: 300 "
+        "requests in 3.8-4.5 s on the development machine, 2026-11-28)",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -474,9 +519,11 @@ def main(argv: list[str] | None = None) -> int:
                 with cm as url:
                     result = run_once(url, prompts, engines, args)
                 doc["runs"][router].append(result)
+                lat = result["latency_ms"] or {}
                 print(
                     f"{router:<14} run {k}: hit rate {result['hit_rate']}, per engine "
-                    f"{result['requests_per_engine']}, errors {result['errors']}",
+                    f"{result['requests_per_engine']}, latency p50/p99 {lat.get('p50')}/"
+                    f"{lat.get('p99')} ms, errors {result['errors']}",
                     flush=True,
                 )
     doc["summary"] = {}
@@ -487,7 +534,14 @@ def main(argv: list[str] | None = None) -> int:
             "hit_rate_min": min(rates, default=None),
             "hit_rate_max": max(rates, default=None),
             "max_engine_share": max(r["max_engine_share"] for r in runs),
+            "runs_over_45_percent": sum(1 for r in runs if r["max_engine_share"] > 0.45),
             "errors": sum(r["errors"] for r in runs),
+            **{
+                f"{name}_{q}_ms_mean": round(statistics.mean(v), 1)
+                for name in ("latency", "ttft")
+                for q in ("p50", "p99")
+                if (v := [r[f"{name}_ms"][q] for r in runs if r.get(f"{name}_ms")])
+            },
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))

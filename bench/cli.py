@@ -26,6 +26,7 @@ import orjson
 
 from bench.workloads import WORKLOADS, WorkloadOptions
 from engine.scheduler import POLICIES as SCHEDULERS
+from kvgate.cost_model import ProfileError, load_profile
 
 RESULTS = Path("results/tmp")  # git-ignored; pass --out for results to keep
 
@@ -237,6 +238,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--slow-factor", type=float, default=None, help="hetero: slow engines' factor")
     p.add_argument(
+        "--profile",
+        default=None,
+        help="the engines' cost profile: a name, a JSON path, or NAME@xK for hardware K times "
+        "slower (mistral-7b-a6000@x0.2: 5x faster; default mistral-7b-a6000)",
+    )
+    p.add_argument(
         "--scheduler",
         default=None,
         choices=tuple(SCHEDULERS),
@@ -410,6 +417,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
         "min_window_s",
         "max_window_requests",
         "slow_factor",
+        "profile",
         "scheduler",
         "reporting",
     ):
@@ -419,6 +427,12 @@ def _run_matrix(args: argparse.Namespace) -> int:
         changes["run_shed"] = True
     spec = quick_spec(**changes) if args.quick else MatrixSpec(**changes)
     from bench.matrix import load_knees
+
+    try:
+        load_profile(spec.profile)
+    except ProfileError as exc:
+        print(f"kvgate bench matrix: {exc}", file=sys.stderr)
+        return 2
 
     try:
         knees = load_knees(args.knees_from, spec) if args.knees_from else None

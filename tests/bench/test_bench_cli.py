@@ -50,6 +50,16 @@ def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     rc = main(["bench", "matrix", "--quick", "--scheduler", "fcfs", "--knees-from", str(knees),
                "--out", str(tmp_path / "m.json"), "--no-plots"])  # fmt: skip
     assert rc == 2 and "scheduler 'slo', not 'fcfs'" in capsys.readouterr().err
+    # ... and so are knees found on other hardware, and a profile that does not exist
+    out = str(tmp_path / "m.json")
+    rc = main(["bench", "matrix", "--quick", "--profile", "mistral-7b-a6000@x0.2",
+               "--knees-from", str(knees), "--out", out, "--no-plots"])  # fmt: skip
+    assert rc == 2 and "profile 'mistral-7b-a6000', not 'mistral-7b-a6000@x0.2'" in (
+        capsys.readouterr().err
+    )
+    rc = main(["bench", "matrix", "--quick", "--profile", "no-such-gpu", "--out", out,
+               "--no-plots"])  # fmt: skip
+    assert rc == 2 and "no profile" in capsys.readouterr().err
 
 
 def test_workloads_verb(capsys) -> None:

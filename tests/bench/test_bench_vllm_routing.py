@@ -1,16 +1,26 @@
-"""The vLLM routing benchmark's parts that need no vLLM: the one-copy hit-rate ceiling and the
-simulated replica (``--simulate``)."""
+"""The vLLM routing benchmark's parts that need no vLLM: the one-copy hit-rate ceiling, the
+simulated replica (``--simulate``) and a live run's measurements against a vLLM stand-in."""
 
 from __future__ import annotations
 
 import argparse
+import http.server
 import itertools
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.bench_vllm_routing import main, one_copy_hit_rate, replica_workload
+from bench.bench_vllm_routing import (
+    Engine,
+    drop_keys,
+    main,
+    one_copy_hit_rate,
+    replica_workload,
+    run_once,
+)
 from kvgate.cost_model import load_profile
 
 
@@ -62,3 +72,92 @@ def test_simulate_runs_each_router_over_the_seeds_and_saves_the_figures(tmp_path
 def test_simulate_refuses_a_cache_size_the_profile_does_not_have(tmp_path: Path):
     with pytest.raises(SystemExit, match="KV blocks"):
         main(["--simulate", "1", "--kv-blocks", "32", "--out", str(tmp_path / "x.json")])
+
+
+class _FakeVllm(http.server.BaseHTTPRequestHandler):
+    """A vLLM stand-in for :func:`run_once`: completions (streamed after a pause before the
+    first token, or whole), and the three counters the benchmark reads from ``/metrics``, each
+    completion counted as 10 prompt tokens of which 4 hit the prefix cache."""
+
+    served = 0
+    first_token_s = 0.05
+
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        n = type(self).served
+        text = (
+            f'vllm:prefix_cache_queries_total{{engine="0"}} {10.0 * n}\n'
+            f'vllm:prefix_cache_hits_total{{engine="0"}} {4.0 * n}\n'
+            f'vllm:request_success_total{{finished_reason="length"}} {float(n)}\n'
+        ).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text)
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).served += 1
+        self.send_response(200)
+        self.send_header("x-kvgate-route", "policy=e2;reason=exploit;engine=v0;matched=0")
+        if body.get("stream"):
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            time.sleep(self.first_token_s)
+            self.wfile.write(b'data: {"choices":[{"text":"a"}]}\n\n')
+            self.wfile.flush()
+            time.sleep(self.first_token_s)
+            self.wfile.write(b"data: [DONE]\n\n")
+        else:
+            out = b'{"choices":[{"text":"a"}]}'
+            time.sleep(self.first_token_s)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+        self.close_connection = True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_live_run_measures_hits_shares_and_what_the_client_waited(stream: bool):
+    _FakeVllm.served = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        engine = Engine("v0", url, "", "", None)  # type: ignore[arg-type]
+        args = argparse.Namespace(stream=stream, concurrency=2)
+        got = run_once(url, ["a prompt"] * 6, [engine], args)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got["errors"] == 0 and got["requests_per_engine"] == {"v0": 6}
+    assert got["hit_rate"] == pytest.approx(0.4)
+    assert got["routes"] == ["policy=e2;reason=exploit;engine=v0;matched=0"] * 6
+    lat = got["latency_ms"]
+    assert lat["p50"] >= 1e3 * _FakeVllm.first_token_s and lat["p99"] >= lat["p50"]
+    if stream:  # the first token comes one pause before the end of the answer
+        ttft = got["ttft_ms"]
+        assert 1e3 * _FakeVllm.first_token_s <= ttft["p50"] < lat["p50"]
+    else:
+        assert got["ttft_ms"] is None
+
+
+def test_a_runs_redis_keys_are_deleted_after_it_and_no_others(redis_url: str, redis_prefix: str):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        run, other = f"{redis_prefix}run:", f"{redis_prefix}other:"
+        for key in (f"{run}s:v0", f"{run}s:v1", f"{other}s:v0"):
+            client.xadd(key, {"k": "v"})
+        client.set(f"{run}snap:v0", b"x")
+        drop_keys(redis_url, run)
+        assert sorted(client.scan_iter(match=f"{redis_prefix}*")) == [f"{other}s:v0".encode()]
+        client.delete(f"{other}s:v0")
+    finally:
+        client.close()
+    # an unreachable Redis is reported, not raised: the run's figures are already taken
+    drop_keys("redis://127.0.0.1:1/0", run)
