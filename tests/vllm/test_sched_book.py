@@ -16,6 +16,7 @@ from broker.events import (
     RequestEnqueued,
     RequestFinished,
     RequestPreempted,
+    RequestRejected,
     RequestStarted,
 )
 from engine.core import EngineCore, EngineRequest
@@ -312,6 +313,10 @@ def test_a_tpot_slo_the_engine_cannot_meet_alone_is_raised_or_refused() -> None:
     b2 = book(reject=True)
     reason = FakeVllm(b2).add("x", 10, slo=impossible, now=0.0)
     assert reason is not None and "TPOT SLO" in reason
+    # the router learns why, and the engine's own time for one decode step of it alone
+    (refused,) = events_of(b2, RequestRejected)
+    assert (refused.reason, refused.cause, refused.estimate_tokens) == (reason, "tpot", 12)
+    assert refused.estimate_ms == pytest.approx(PROFILE.decode_step_ms(1, 10 + 4 / 2))
 
 
 # ------------------------------------------------------------------ vLLM's own moves
