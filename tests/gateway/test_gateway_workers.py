@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -30,25 +31,36 @@ MODEL = "workers-model"
 HOST = "127.0.0.1"
 
 
+def _quiet_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports below the kernel's ephemeral range. A
+    port bound to 0 comes from that range, and any outbound connection (the workers' Redis
+    clients, their health checks) could take it before the gateway binds it: one run's metrics
+    port was taken so ("address already in use")."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.Random()
+    for _ in range(200):
+        base = pick.randrange(10_000, max(low - n, 10_001))
+        with contextlib.ExitStack() as stack:
+            try:
+                for i in range(n):
+                    stack.enter_context(socket.socket()).bind((HOST, base + i))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {n} free consecutive ports")
+
+
 def _port_pair() -> int:
     """A free loopback port whose successor is free too (for --metrics-port-base)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind((HOST, 0))
-            base = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind((HOST, base + 1))
-                except OSError:
-                    continue
-                return base
-    raise RuntimeError("no free pair of ports")
+    return _quiet_ports(2)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return _quiet_ports(1)
 
 
 def _children(pid: int) -> set[int]:
