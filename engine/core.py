@@ -180,15 +180,7 @@ class EngineCore(SchedBook):
             refusal = self.policy.check_submit(self, st, now)
         if refusal is not None:
             st.move(Phase.REJECTED)
-            self._events.append(
-                RequestRejected(
-                    req.request_id,
-                    refusal.reason,
-                    refusal.cause,
-                    refusal.estimate_ms,
-                    refusal.estimate_tokens,
-                )
-            )
+            self._events.append(refusal.event(req.request_id))
             self._push_output(Output(req.request_id, rejected=refusal.reason), now)
             self.rejected += 1
             return

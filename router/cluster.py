@@ -241,9 +241,9 @@ class Cluster(ClusterState):
         (``tpot``) against the profile's for the same tokens. An engine slower than it
         announced that refuses every request it is sent serves none: no first token, no
         finished request, no decode step in its heartbeats ever shows its speed, it looks
-        idle, and the router kept sending it requests (on a fleet whose every second engine
-        was 2x slower than announced and too slow for the TPOT SLO, e2 sent those engines 68
-        to 83% of the requests, all refused)."""
+        idle, and the router kept sending it requests (on fleets whose every second engine
+        was 2x slower than announced and too slow for the TPOT SLO, e2 sent those engines up
+        to 87% of the requests, most of them refused: docs/router.md)."""
         if not self.config.fit_speed or ev.estimate_ms <= 0 or ev.estimate_tokens <= 0:
             return
         if ev.cause == "tpot":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from broker.events import RequestRejected
 from engine.costs import TtftPredictor
 from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 from kvgate.cost_model import CostProfile
@@ -26,6 +27,12 @@ class Refusal:
     cause: str = ""
     estimate_ms: float = 0.0
     estimate_tokens: int = 0
+
+    def event(self, request_id: str) -> RequestRejected:
+        """The refusal of ``request_id`` as the engine reports it."""
+        return RequestRejected(
+            request_id, self.reason, self.cause, self.estimate_ms, self.estimate_tokens
+        )
 
 
 class SchedView(Protocol):

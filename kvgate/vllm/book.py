@@ -299,15 +299,7 @@ class VllmBook(SchedBook):
         if refusal is not None:
             if self.reject_mode:
                 self.stats.rejected += 1
-                self._events.append(
-                    RequestRejected(
-                        event_id,
-                        refusal.reason,
-                        refusal.cause,
-                        refusal.estimate_ms,
-                        refusal.estimate_tokens,
-                    )
-                )
+                self._events.append(refusal.event(event_id))
                 return refusal.reason
             floor = self.policy.min_tpot_ms(self, st)
             if a.slo.tpot_ms <= floor:
