@@ -208,6 +208,27 @@ class View:
         mean_ms = sum(rec.out_tokens for rec in eng.decoding.values()) * tpot / n
         return left[-1] + (count - n) * mean_ms / n
 
+    def tpot_pushed(
+        self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
+    ) -> int:
+        """How many of the router's requests decoding on ``ev`` a prefill of ``stall_ms``
+        starting ``start_ms`` from now would push past their TPOT SLO, decoding at ``tpot_ms``
+        otherwise (an arrival-order engine runs prefill chunks inside its decode steps, so a
+        prefill stalls every request decoding there); those that miss it anyway do not count."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None or not eng.decoding or stall_ms <= 0.0:
+            return 0
+        pushed = 0
+        for rec in eng.decoding.values():
+            if rec.tpot_slo_ms <= 0.0 or rec.out_tokens <= 1:
+                continue
+            elapsed = (now - rec.first_at) * 1000.0
+            left = max(rec.out_tokens * tpot_ms - elapsed, tpot_ms)
+            slack = (rec.out_tokens - 1) * rec.tpot_slo_ms - elapsed - left
+            if 0.0 <= slack < min(stall_ms, left - start_ms):
+                pushed += 1
+        return pushed
+
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``
         are freed; each evicted prefix costs ``hit count (decayed over the window) x miss rate x

@@ -300,6 +300,13 @@ class ClusterView(Protocol):
         engine's measured TPOT (0: none is decoding)."""
         ...
 
+    def tpot_pushed(
+        self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
+    ) -> int:
+        """How many of the router's requests decoding on ``ev`` a prefill of ``stall_ms``
+        starting ``start_ms`` from now would push past their TPOT SLO."""
+        ...
+
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
         """Preble's M_i: cost of what ``engine_id``'s LRU would evict to fit ``need_bytes``."""
         ...

@@ -68,7 +68,10 @@ engine *when would this request's first token come out there, and what does it c
   ``spread_by_traffic``; on full caches it sent every new prefix to the quietest engine, which
   thrashed), then the least outstanding work, then the injected rng. Without a band,
   near-equal costs always went to the same engine.
-* SLO: an engine that cannot decode the request within its TPOT SLO even alone is skipped.
+* SLO: an engine that cannot decode the request within its TPOT SLO even alone is skipped, and
+  so is an arrival-order engine (vLLM's own scheduler) whose whole batch would decode past it,
+  or where the request's prefill would push the requests decoding there past theirs: such an
+  engine has no admission of its own (:func:`router.policies.feasibility.arrival_order_tpot_ms`).
   When no engine is predicted to meet the TTFT SLO, the request still goes to the cheapest,
   unless even the best would miss by more than ``shed_factor`` x the SLO with nothing
   overtaking it and only the work ahead that can still make its deadline running first
@@ -130,6 +133,7 @@ from router.policies.base import (
 )
 from router.policies.feasibility import (
     CONGESTED,
+    TPOT_MISS_RETRY_MS,
     Estimate,
     estimate,
     rate_decay,
@@ -258,14 +262,15 @@ class E2(PolicyBase):
                     return shed(
                         self.name,
                         ctx,
-                        retry_after(shed_ttft(best) - slo_ms if best else math.inf),
+                        retry_after(shed_ttft(best) - slo_ms if best else TPOT_MISS_RETRY_MS),
                         "no engine can meet the SLO"
                         + (
                             f": the best, {best.ev.engine_id}, in ~{shed_ttft(best):.0f} ms"
                             if best
-                            else " (its decode step alone exceeds the TPOT SLO)"
+                            else " (no engine can decode it within its TPOT SLO without pushing"
+                            " the requests decoding there past theirs)"
                         ),
-                        fallback=best.ev.engine_id if best else None,
+                        fallback=_fallback(best, scored),
                     )
             elif cfg.prefer_feasible:
                 pool = feasible
@@ -620,6 +625,14 @@ def _first_two(b: tuple[float, int, EngineView]) -> tuple[float, int]:
 
 def _first(p: tuple[int, _Scored]) -> int:
     return p[0]
+
+
+def _fallback(best: _Scored | None, scored: Sequence[_Scored]) -> str | None:
+    """The engine a shed request would have gone to: the best by its first token, else (none
+    meets its TPOT SLO there) the cheapest where its decode alone could (None: nowhere)."""
+    if best is None:
+        best = min((s for s in scored if s.est.decode_fits), key=_cost, default=None)
+    return best.ev.engine_id if best is not None else None
 
 
 def _soonest(s: _Scored) -> float:

@@ -44,17 +44,24 @@ whole queue first and drops none: ``queue`` and ``runs`` are every open request 
 ``behind`` is 0, ``stretch`` is 1, there is no VBS admission wait (vLLM starts what its KV
 memory holds) and the floor is the expected TTFT (nothing overtakes it). Read as S-EDF, an
 FCFS engine holding a long queue of late or later-due work looked cheap (docs/router.md).
+Nor does such an engine hold a request back for its TPOT: it decodes every request it holds in
+every step and runs the prefill chunks of new ones inside those steps, so a request's TPOT there
+is its whole batch's, stretched by the prefill routed there (:func:`arrival_order_tpot_ms`),
+and its own prefill stalls every request decoding there (``ClusterView.tpot_pushed``).
 
 An engine is *feasible* for a request when the soonest its first token could come there
 (``ttft_floor``: nothing overtakes it, and of the work queued ahead only what can still start
 in time behind the work before it counts, as the engine rejects the rest while it waits) is
 within the TTFT SLO and the request's own decode step (alone, at the engine's speed) fits its
-TPOT SLO; when it does not, the engine would reject it at once. Shedding is final, so it is
-judged on that optimistic figure: judged on the stretched TTFT, only 66% of the requests e2 shed
-on the ``--quick --run-shed`` slice would have missed their SLO; counting the doomed work ahead
-too, 86% (93.5% without it). Routing keeps the whole queue of individually feasible work ahead:
-routing on the shorter one lost 0.4 points of attainment on the quick slice (an engine holding
-doomed work is past its capacity, and more work there makes more of it late).
+TPOT SLO; when it does not, the engine would reject it at once. On an arrival-order engine the
+batch's TPOT must fit it too, and the request's prefill must push none of the requests decoding
+there past their own TPOT SLO (admitting it would trade theirs for its own). Shedding is final,
+so it is judged on that optimistic figure: judged on the stretched TTFT, only 66% of the
+requests e2 shed on the ``--quick --run-shed`` slice would have missed their SLO; counting the
+doomed work ahead too, 86% (93.5% without it). Routing keeps the whole queue of individually
+feasible work ahead: routing on the shorter one lost 0.4 points of attainment on the quick
+slice (an engine holding doomed work is past its capacity, and more work there makes more of it
+late).
 A policy sheds (429) only when no engine is feasible; E2 further requires the best prediction to
 miss by a margin (:class:`router.policies.e2.E2Config`).
 """
@@ -122,6 +129,7 @@ class Estimate:
         "arrivals",
         "behind",
         "credited",
+        "decode_fits",
         "decode_harm",
         "own_ms",
         "own_work_ms",
@@ -150,6 +158,7 @@ class Estimate:
         floor_admit_ms: float | None = None,
         own_work_ms: float | None = None,
         place_ms: float = 0.0,
+        decode_fits: bool | None = None,
     ) -> None:
         # ms its decode will add to later requests (their prefill, or their wait for a place)
         self.decode_harm = decode_harm
@@ -163,6 +172,9 @@ class Estimate:
         self.share = share
         self.admit_ms = admit_ms
         self.tpot_ok = tpot_ok
+        # its decode step alone fits its TPOT SLO there (``tpot_ok`` asks more of an
+        # arrival-order engine: the batch's TPOT, and the requests decoding there)
+        self.decode_fits = tpot_ok if decode_fits is None else decode_fits
         wait = (queue_ms + own_ms) / share
         overtaken = busy * sooner
         stretch = 1.0 / (1.0 - (overtaken if overtaken < MAX_OVERTAKEN else MAX_OVERTAKEN))
@@ -371,6 +383,15 @@ def estimate(
     mine = prof.prompt_tokens(req.input_tokens, ctx.key_len) + req.max_tokens / 2
     limit = TPOT_HEADROOM * slo.tpot_ms
     alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
+    tpot_ok = alone < limit
+    if fifo and tpot_ok:
+        # an arrival-order engine has no admission of its own: it decodes every request it
+        # holds in every step and runs prefill chunks inside those steps, so the request's TPOT
+        # is its whole batch's, and its prefill stalls every request decoding there. The
+        # batch now is a forecast (a burst may drain before the request ends): it counts only
+        # while the TPOT the engine has measured agrees
+        tpot = min(arrival_order_tpot_ms(ev, mine, decay), ev.tpot_ms)
+        tpot_ok = tpot < limit and not view.tpot_pushed(ev, now, queue / share, own, tpot)
     admit = 0.0
     t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
     capacity = decode_capacity(ev, mine, t_min)
@@ -402,7 +423,7 @@ def estimate(
         own,
         share,
         admit,
-        alone < limit,
+        tpot_ok,
         behind,
         ev.rate_per_s * decay,
         matched,
@@ -414,7 +435,20 @@ def estimate(
         floor_admit,
         own_work,
         place,
+        alone < limit,
     )
+
+
+def arrival_order_tpot_ms(ev: EngineView, mine: float, decay: float) -> float:
+    """The TPOT a request (mean context ``mine``) would get on an arrival-order engine (vLLM's
+    scheduler, kvgate's ``fcfs``): no admission holds a request back, so every request in
+    flight there decodes in every step with it, and the prefill chunks of the requests arriving
+    run inside those steps, stretching each by ``1 / (1 - prefill utilization)``
+    (``decay``: :func:`rate_decay` of ``ev``'s rates now)."""
+    n = ev.inflight + 1
+    step = ev.profile.decode_step_ms(n, (ev.open_ctx_tokens + mine) / n) * ev.decode_scale
+    busy = min(ev.prefill_rate * decay / 1000.0, CONGESTED)
+    return step / (1.0 - busy)
 
 
 def _soonest_batch(

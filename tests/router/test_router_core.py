@@ -954,6 +954,81 @@ def test_e2_sends_a_request_past_a_long_arrival_order_queue_of_work_due_later() 
         assert d.engine_id == expect, order
 
 
+def test_an_arrival_order_engine_meets_a_tpot_slo_only_if_its_whole_batch_does() -> None:
+    """S-EDF engines hold a request back until the batch decodes within its TPOT SLO (SCORPIO's
+    admission); an arrival-order engine decodes every request it holds in every step, so a
+    request whose decode alone fits its TPOT SLO still misses it behind a big batch there. The
+    batch is a forecast (a burst may drain before the request ends): it refuses only while the
+    TPOT the engine measured agrees."""
+    from router.policies.feasibility import arrival_order_tpot_ms, rate_decay
+
+    for order, measured in (("deadline", 1.0), ("arrival", 1.0), ("arrival", 0.0)):
+        f = Fleet(n=1)
+        f.heartbeat("e0", 0.5, queue_order=order)
+        for i in range(48):  # a big batch of long contexts, relaxed TPOT SLOs
+            f.route(f"d{i}", bytes([i]) * 40_000, 1.0, max_tokens=400, slo=Slo(60_000.0, 1000.0))
+            f.send("e0", FirstToken(f"d{i}", 200.0), 1.5)
+        _, ev = _view(f, 2.0)
+        prof = ev.profile
+        mine = prof.tokens_for_bytes(400) + 50 / 2
+        alone = prof.decode_step_ms(1, mine) * 1.3  # (TPOT_SAFETY)
+        batch = arrival_order_tpot_ms(ev, mine, rate_decay(ev, 2.0))
+        assert batch > 2 * alone
+        tpot_slo = (alone + batch) / 2  # the request alone fits it; the whole batch does not
+        # the TPOTs the engine reported: the batch's (it decodes that slowly), or the request's
+        # own alone (what was there decoded fast)
+        for i in range(5):
+            tpot = batch if measured else alone / 1.3
+            f.send("e0", RequestFinished(f"w{i}", 11, 10.0, tpot), 1.9)
+        d = f.route("x", b"x" * 400, 2.0, max_tokens=50, slo=Slo(60_000.0, tpot_slo))
+        if order == "deadline" or not measured:
+            assert (d.engine_id, d.reason) == ("e0", "explore"), (order, measured)
+        else:
+            assert d.reason == "shed" and d.fallback == "e0"
+            assert "TPOT SLO" in d.detail
+            assert d.retry_after_s == pytest.approx(1.0)  # transient: the batch drains
+
+
+def test_a_prefill_that_would_push_decoding_requests_past_their_tpot_slo_goes_elsewhere() -> None:
+    """On an arrival-order engine a request's prefill chunks run inside the decode steps of
+    every request decoding there: a prefill longer than their slack pushes them past their
+    TPOT SLO (they count only while they could still meet it), so e2 sends such a prefill to an
+    engine where nothing decodes, and a short one may stay."""
+    f = Fleet(n=2)
+    for e in ("e0", "e1"):
+        f.heartbeat(e, 0.5, queue_order="arrival")
+    for i in range(4):
+        f.route(f"d{i}", bytes([i]) * 4_000, 1.0, max_tokens=100, slo=Slo(60_000.0, 40.0),
+                exclude=frozenset({"e1"}))  # fmt: skip
+        f.send("e0", FirstToken(f"d{i}", 100.0), 1.0)
+    view, ev = _view(f, 1.0)
+    # at 25 ms a token each has 99 x 40 - 100 x 25 = 1,460 ms of slack
+    assert view.tpot_pushed(ev, 1.0, 0.0, 1_400.0, 25.0) == 0
+    assert view.tpot_pushed(ev, 1.0, 0.0, 1_500.0, 25.0) == 4
+    # a prefill that starts when they have 100 ms of decode left stalls them 100 ms at most
+    assert view.tpot_pushed(ev, 1.0, 2_400.0, 1_500.0, 25.0) == 0
+    # at 45 ms a token they miss anyway: nobody is pushed
+    assert view.tpot_pushed(ev, 1.0, 0.0, 10_000.0, 45.0) == 0
+    prof = ev.profile
+    for i in range(4):  # e1: a queue of relaxed prefill work, nothing decoding
+        f.route(f"bulk{i}", bytes([70 + i]) * 40_000, 1.0, slo=Slo(60_000.0, 1000.0),
+                exclude=frozenset({"e0"}))  # fmt: skip
+    long = b"L" * 100_000  # seconds of prefill: past their slack even at e0's fitted speed
+    assert prof.prefill_ms(prof.tokens_for_bytes(len(long))) * ev.prefill_scale > 2_000.0
+    key = b"k" * 8_000
+    f.cache("e0", key, 1.0)
+    for order, expect in (("deadline", "e0"), ("arrival", "e1")):
+        for e in ("e0", "e1"):
+            f.heartbeat(e, 1.0, queue_order=order)
+        # e1's queue makes it the slower choice; on e0 the prefill would push the four
+        # decoding requests past their TPOT SLO, on an arrival-order engine only
+        prompt = order.encode() + long  # (each its own: the first one's routed prefix would match)
+        assert f.route(f"long-{order}", prompt, 1.0, slo=Slo(60_000.0, 1000.0)).engine_id == expect
+        f.router.report(f"long-{order}", expect, "ok", 1.0)
+    short = f.route("short", key + b"s" * 400, 1.0, slo=Slo(60_000.0, 1000.0))
+    assert short.engine_id == "e0"  # its prefix cached there: its prefill is short
+
+
 def test_decoding_requests_set_the_prefill_share_and_the_next_release() -> None:
     from router.policies.feasibility import prefill_share
 
