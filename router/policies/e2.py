@@ -132,10 +132,10 @@ from router.policies.base import (
     top_matched,
 )
 from router.policies.feasibility import (
-    CONGESTED,
     TPOT_MISS_RETRY_MS,
     Estimate,
     estimate,
+    prefill_busy,
     rate_decay,
     recent_rate,
     retry_after,
@@ -349,7 +349,7 @@ class E2(PolicyBase):
             if c < m:  # (the estimate may count only the confirmed part as cached)
                 own = min(own, prefill_cost_ms(ev, key_len, c, cache))
             decay = rate_decay(ev, now)
-            busy = min(ev.prefill_rate * decay / 1000.0, CONGESTED)
+            busy = prefill_busy(ev, decay)
             arrivals = ev.rate_per_s * decay * own / 1000.0 / (1.0 - busy)
             bounded.append((own * (1.0 + w * (gpu + arrivals)) * BOUND_SLACK, i, ev))
         bounded.sort(key=_first_two)

@@ -219,6 +219,13 @@ def recent_rate(ev: EngineView, now: float) -> float:
     return ev.rate_per_s * rate_decay(ev, now)
 
 
+def prefill_busy(ev: EngineView, decay: float, share: float = 1.0) -> float:
+    """``ev``'s recent prefill utilization: the prefill routed there per second (its rate
+    decayed by ``decay``, :func:`rate_decay`) over the ``share`` of the GPU prefill gets, at
+    most :data:`CONGESTED`."""
+    return min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
+
+
 def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
     """The virtual batch ``ev`` can decode within ``tpot_ms`` by SCORPIO's admission rule
     (``EstTPOT(VBS, L) x 1.3 < 0.99 x TPOT``, at the engine's fitted decode speed): the largest
@@ -365,7 +372,7 @@ def estimate(
         # so it takes no place in this engine's batch; its first token waits for its KV to
         # move there
         moved = view.kv_transfer_ms(prof.prompt_tokens(req.input_tokens, ctx.key_len))
-        busy = min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
+        busy = prefill_busy(ev, decay, share)
         return Estimate(
             queue,
             own,
@@ -417,7 +424,7 @@ def estimate(
         floor_share, floor_admit = _soonest_batch(ev, view, now, slo.tpot_ms, mine, alone < limit)
     # prefill's utilization there: the prefill routed there per second of the GPU time prefill
     # gets
-    busy = min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
+    busy = prefill_busy(ev, decay, share)
     return Estimate(
         queue,
         own,
@@ -447,8 +454,7 @@ def arrival_order_tpot_ms(ev: EngineView, mine: float, decay: float) -> float:
     (``decay``: :func:`rate_decay` of ``ev``'s rates now)."""
     n = ev.inflight + 1
     step = ev.profile.decode_step_ms(n, (ev.open_ctx_tokens + mine) / n) * ev.decode_scale
-    busy = min(ev.prefill_rate * decay / 1000.0, CONGESTED)
-    return step / (1.0 - busy)
+    return step / (1.0 - prefill_busy(ev, decay))
 
 
 def _soonest_batch(
