@@ -52,10 +52,13 @@ and its own prefill stalls every request decoding there (``ClusterView.tpot_push
 An engine is *feasible* for a request when the soonest its first token could come there
 (``ttft_floor``: nothing overtakes it, and of the work queued ahead only what can still start
 in time behind the work before it counts, as the engine rejects the rest while it waits) is
-within the TTFT SLO and the request's own decode step (alone, at the engine's speed) fits its
-TPOT SLO; when it does not, the engine would reject it at once. On an arrival-order engine the
-batch's TPOT must fit it too, and the request's prefill must push none of the requests decoding
-there past their own TPOT SLO (admitting it would trade theirs for its own). Shedding is final,
+within the TTFT SLO and the request's own decode step (alone, at the engine's speed, times
+SCORPIO's margin on an S-EDF engine, whose admission applies it) fits its TPOT SLO; when it
+does not, the engine would reject it at once. On an arrival-order engine the batch's TPOT must
+fit it too (the lower of the router's forecast and the engine's measured TPOT, read for the
+request's own context: :func:`measured_tpot_ms`), and the request's prefill must push none of
+the requests decoding there past their own TPOT SLO (admitting it would trade theirs for its
+own). Shedding is final,
 so it is judged on that optimistic figure: judged on the stretched TTFT, only 66% of the
 requests e2 shed on the ``--quick --run-shed`` slice would have missed their SLO; counting the
 doomed work ahead too, 86% (93.5% without it). Routing keeps the whole queue of individually
@@ -389,15 +392,17 @@ def estimate(
         )
     mine = prof.prompt_tokens(req.input_tokens, ctx.key_len) + req.max_tokens / 2
     limit = TPOT_HEADROOM * slo.tpot_ms
-    alone = prof.decode_step_ms(1, mine) * ev.decode_scale * TPOT_SAFETY
+    # its decode step alone, with SCORPIO's margin where the engine's own admission applies it
+    # (an S-EDF engine refuses the request without it; an arrival-order engine has none)
+    alone = prof.decode_step_ms(1, mine) * ev.decode_scale * (1.0 if fifo else TPOT_SAFETY)
     tpot_ok = alone < limit
     if fifo and tpot_ok:
         # an arrival-order engine has no admission of its own: it decodes every request it
         # holds in every step and runs prefill chunks inside those steps, so the request's TPOT
         # is its whole batch's, and its prefill stalls every request decoding there. The
         # batch now is a forecast (a burst may drain before the request ends): it counts only
-        # while the TPOT the engine has measured agrees
-        tpot = min(arrival_order_tpot_ms(ev, mine, decay), ev.tpot_ms)
+        # while the TPOT the engine has measured (for this request's context) agrees
+        tpot = min(arrival_order_tpot_ms(ev, mine, decay), measured_tpot_ms(ev, mine, decay))
         tpot_ok = tpot < limit and not view.tpot_pushed(ev, now, queue / share, own, tpot)
     admit = 0.0
     t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
@@ -455,6 +460,29 @@ def arrival_order_tpot_ms(ev: EngineView, mine: float, decay: float) -> float:
     n = ev.inflight + 1
     step = ev.profile.decode_step_ms(n, (ev.open_ctx_tokens + mine) / n) * ev.decode_scale
     return step / (1.0 - prefill_busy(ev, decay))
+
+
+def measured_tpot_ms(ev: EngineView, mine: float, decay: float) -> float:
+    """The TPOT ``ev`` measured lately (the median of its requests' own), for a request of mean
+    context ``mine`` on an arrival-order engine: those requests decoded in batches of about
+    the mean context of the ones in flight, so a longer context lengthens every step of the
+    batch it joins by what the extra context costs (stretched by the prefill routed there, as
+    in :func:`arrival_order_tpot_ms`); a shorter one is taken at the measured figure. Read
+    unadjusted (and without SCORPIO's margin, which used to refuse them), the TPOT measured on
+    shorter requests let prompts of tens of thousands of tokens into batches that then
+    decoded past the SLO, every request in them late (Mooncake, 16 mixed engines 3x slower
+    than the default profile: 149 TPOT misses of 640 requests; 95 with the margin; adjusted,
+    75; docs/router.md)."""
+    n = ev.inflight
+    if n <= 0:
+        return ev.tpot_ms
+    prof = ev.profile
+    ctx = ev.open_ctx_tokens
+    step = prof.decode_step_ms
+    longer = step(n + 1, (ctx + mine) / (n + 1)) - step(n + 1, ctx / n)
+    if longer <= 0.0:
+        return ev.tpot_ms
+    return ev.tpot_ms + longer * ev.decode_scale / (1.0 - prefill_busy(ev, decay))
 
 
 def _soonest_batch(

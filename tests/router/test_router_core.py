@@ -989,6 +989,58 @@ def test_an_arrival_order_engine_meets_a_tpot_slo_only_if_its_whole_batch_does()
             assert d.retry_after_s == pytest.approx(1.0)  # transient: the batch drains
 
 
+def test_scorpios_margin_on_a_lone_decode_applies_only_where_the_engine_admits_by_it() -> None:
+    """An S-EDF engine refuses a request whose decode step alone, times SCORPIO's 1.3 margin,
+    is past its TPOT SLO (its VBS admission), so the router sheds it there; an arrival-order
+    engine has no such admission and decodes it within the SLO: the router sends it there."""
+    for order in ("deadline", "arrival"):
+        f = Fleet(n=1)
+        f.heartbeat("e0", 0.5, queue_order=order)
+        ev = f.router.cluster.engines["e0"]
+        key = b"p" * 40_000
+        mine = ev.profile.prompt_tokens(len(key) // 4, len(key)) + 50 / 2
+        alone = ev.profile.decode_step_ms(1, mine)
+        tpot_slo = alone * 1.15 / 0.99  # (TPOT_HEADROOM): alone fits, x1.3 does not
+        d = f.route("x", key, 1.0, slo=Slo(60_000.0, tpot_slo))
+        if order == "deadline":
+            assert d.reason == "shed" and "TPOT SLO" in d.detail
+        else:
+            assert (d.engine_id, d.reason) == ("e0", "explore")
+
+
+def test_a_long_context_is_judged_on_the_measured_tpot_plus_what_its_context_adds() -> None:
+    """An arrival-order engine measured a TPOT within the SLO on the requests it decoded (short
+    contexts); a prompt of 100,000 tokens joining that batch lengthens every step by its extra
+    context, past the SLO: the router does not send it there, while a short request goes."""
+    from router.policies.feasibility import arrival_order_tpot_ms, measured_tpot_ms, rate_decay
+
+    f = Fleet(n=1)
+    f.heartbeat("e0", 0.5, queue_order="arrival")
+    for i in range(16):  # a batch of short contexts decoding
+        f.route(f"d{i}", bytes([i]) * 4_000, 1.0, max_tokens=400, slo=Slo(60_000.0, 1000.0))
+        f.send("e0", FirstToken(f"d{i}", 100.0), 1.2)
+    _, ev = _view(f, 1.4)
+    step = ev.profile.decode_step_ms(ev.inflight, ev.open_ctx_tokens / ev.inflight)
+    for i in range(5):  # what the engine measured: that batch's step
+        f.send("e0", RequestFinished(f"w{i}", 11, 10.0, step * ev.decode_scale), 1.4)
+    _, ev = _view(f, 1.5)
+    decay = rate_decay(ev, 1.5)
+    long_key = b"L" * 400_000
+    long_mine = ev.profile.prompt_tokens(len(long_key) // 4, len(long_key)) + 50 / 2
+    short_mine = ev.profile.prompt_tokens(100, 400) + 50 / 2
+    assert measured_tpot_ms(ev, short_mine, decay) == ev.tpot_ms  # shorter than the batch's
+    adjusted = measured_tpot_ms(ev, long_mine, decay)
+    forecast = arrival_order_tpot_ms(ev, long_mine, decay)
+    alone = ev.profile.decode_step_ms(1, long_mine) * ev.decode_scale
+    fits = max(ev.tpot_ms, alone)  # the measured TPOT and its decode alone both fit the SLO
+    assert min(adjusted, forecast) > 1.1 * fits
+    tpot_slo = (fits + min(adjusted, forecast)) / 2 / 0.99
+    d = f.route("long", long_key, 1.5, slo=Slo(600_000.0, tpot_slo))
+    assert d.reason == "shed" and d.fallback == "e0"
+    d = f.route("short", b"s" * 400, 1.5, slo=Slo(600_000.0, tpot_slo))
+    assert (d.engine_id, d.reason) == ("e0", "explore")
+
+
 def test_a_prefill_that_would_push_decoding_requests_past_their_tpot_slo_goes_elsewhere() -> None:
     """On an arrival-order engine a request's prefill chunks run inside the decode steps of
     every request decoding there: a prefill longer than their slack pushes them past their
