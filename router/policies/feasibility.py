@@ -58,13 +58,12 @@ does not, the engine would reject it at once. On an arrival-order engine the bat
 fit it too (the lower of the router's forecast and the engine's measured TPOT, read for the
 request's own context: :func:`measured_tpot_ms`), and the request's prefill must push none of
 the requests decoding there past their own TPOT SLO (admitting it would trade theirs for its
-own). Shedding is final,
-so it is judged on that optimistic figure: judged on the stretched TTFT, only 66% of the
-requests e2 shed on the ``--quick --run-shed`` slice would have missed their SLO; counting the
-doomed work ahead too, 86% (93.5% without it). Routing keeps the whole queue of individually
-feasible work ahead: routing on the shorter one lost 0.4 points of attainment on the quick
-slice (an engine holding doomed work is past its capacity, and more work there makes more of it
-late).
+own). Shedding is final, so it is judged on that optimistic figure: judged on the stretched
+TTFT, only 66% of the requests e2 shed on the ``--quick --run-shed`` slice would have missed
+their SLO; counting the doomed work ahead too, 86% (93.5% without it). Routing keeps the whole
+queue of individually feasible work ahead: routing on the shorter one lost 0.4 points of
+attainment on the quick slice (an engine holding doomed work is past its capacity, and more
+work there makes more of it late).
 A policy sheds (429) only when no engine is feasible; E2 further requires the best prediction to
 miss by a margin (:class:`router.policies.e2.E2Config`).
 """
