@@ -394,7 +394,8 @@ def estimate(
     # its decode step alone, with SCORPIO's margin where the engine's own admission applies it
     # (an S-EDF engine refuses the request without it; an arrival-order engine has none)
     alone = prof.decode_step_ms(1, mine) * ev.decode_scale * (1.0 if fifo else TPOT_SAFETY)
-    tpot_ok = alone < limit
+    fits_alone = alone < limit
+    tpot_ok = fits_alone
     if fifo and tpot_ok:
         # an arrival-order engine has no admission of its own: it decodes every request it
         # holds in every step and runs prefill chunks inside those steps, so the request's TPOT
@@ -407,7 +408,7 @@ def estimate(
     t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
     capacity = decode_capacity(ev, mine, t_min)
     batch = virtual_batch(ev, t_min)
-    if alone < limit and not fifo:
+    if fits_alone and not fifo:
         # every request in flight there holds or awaits a place in the virtual batch (an
         # arrival-order engine has no VBS admission: it starts what its KV memory holds)
         admit = _vbs_wait_ms(ev, view, now, batch, ev.inflight, capacity, t_min, slo.tpot_ms)
@@ -425,7 +426,7 @@ def estimate(
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
         floor_share, floor_admit = share, admit
     else:
-        floor_share, floor_admit = _soonest_batch(ev, view, now, slo.tpot_ms, mine, alone < limit)
+        floor_share, floor_admit = _soonest_batch(ev, view, now, slo.tpot_ms, mine, fits_alone)
     # prefill's utilization there: the prefill routed there per second of the GPU time prefill
     # gets
     busy = prefill_busy(ev, decay, share)
@@ -446,7 +447,7 @@ def estimate(
         floor_admit,
         own_work,
         place,
-        alone < limit,
+        fits_alone,
     )
 
 
