@@ -21,7 +21,11 @@ starts cold: the engines' prefix caches are reset (vLLM's
 request makes the idle engine step) and the router is started afresh. The hit rate is vLLM's
 own: the growth of ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``
 summed over the engines; which engine served how many requests from
-``vllm:request_success_total``. Saves ``results/vllm_routing.json``. Each result also states the
+``vllm:request_success_total``; each engine's own hit rate beside it. For kvgate's routers a run
+also keeps the router's view of each engine at its end (``router_view``, from the gateway's
+``/admin/router``: requests routed, Preble's windowed load and its parts, the measured TPOT, the
+fitted speed), which is what its rebalancing weighed. Saves ``results/vllm_routing.json``. Each
+result also states the
 workload's one-copy hit rate: the hit rate if every document were prefilled once and never
 evicted (whole blocks only), the most a router that keeps one copy of each document can reach.
 
@@ -388,14 +392,19 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
     wall = time.monotonic() - t0
     time.sleep(1.0)
     after = {e.name: e.counters() for e in engines}
-    queries = sum(after[n]["queries"] - before[n]["queries"] for n in after)
-    hits = sum(after[n]["hits"] - before[n]["hits"] for n in after)
+    queries_of = {n: after[n]["queries"] - before[n]["queries"] for n in after}
+    hits_of = {n: after[n]["hits"] - before[n]["hits"] for n in after}
+    queries = sum(queries_of.values())
+    hits = sum(hits_of.values())
     served = {n: after[n]["done"] - before[n]["done"] for n in after}
     total = sum(served.values()) or 1.0
     return {
         "hit_rate": round(hits / queries, 4) if queries else None,
         "requests_per_engine": {n: int(v) for n, v in served.items()},
         "max_engine_share": round(max(served.values()) / total, 4),
+        "hit_rate_per_engine": {
+            n: round(hits_of[n] / q, 4) if q else None for n, q in queries_of.items()
+        },
         "errors": errors,
         "wall_s": round(wall, 2),
         # what the client saw (ms): the whole answer's latency, and streamed, its first token's
@@ -403,6 +412,29 @@ def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -
         "ttft_ms": _quantiles(ttfts) if ttfts else None,
         "routes": routes,  # kvgate's x-kvgate-route per request, in order (others: empty)
     }
+
+
+VIEW_FIELDS = (
+    "routed_total",
+    "window_ms",
+    "window_prefill_ms",
+    "window_out_tokens",
+    "window_requests",
+    "tpot_ms",
+    "speed",
+)
+
+
+def router_view(url: str) -> dict | None:
+    """What kvgate's router saw of each engine at the end of a run (the gateway's
+    ``/admin/router``): requests routed, Preble's windowed load, the measured TPOT and the fitted
+    speed, which decide its rebalancing."""
+    with contextlib.suppress(*HTTP_ERRORS, ValueError):
+        state = json.loads(http("GET", f"{url}/admin/router", timeout=5, token=ADMIN_TOKEN)[1])
+        return {
+            e["engine_id"]: {k: e.get(k) for k in VIEW_FIELDS} for e in state.get("engines", [])
+        }
+    return None
 
 
 def _quantiles(seconds: list[float]) -> dict[str, float] | None:
@@ -518,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 with cm as url:
                     result = run_once(url, prompts, engines, args)
+                    if router != "sglang-router":
+                        result["router_view"] = router_view(url)
                 doc["runs"][router].append(result)
                 lat = result["latency_ms"] or {}
                 print(

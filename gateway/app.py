@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import inspect
 import logging
 import math
 import os
@@ -1099,6 +1100,22 @@ class Gateway:
         }
         return json_response(orjson.dumps(body))
 
+    async def admin_router(self, request: Request) -> Response:
+        """The embedded router's state: its view of each engine (loads, measured TPOT, fitted
+        speed, requests routed), its tree and its broker consumer, as a separate router's
+        ``GET /state`` gives it. (With several workers, this worker's router.)"""
+        if not self._authorized(request):
+            return self._unauthorized()
+        state = getattr(self.routing, "state", None)
+        if state is None:
+            return error_response(
+                404, "the router runs apart from this gateway: read its GET /state"
+            )
+        body = state()
+        if inspect.isawaitable(body):
+            body = await body
+        return json_response(orjson.dumps(body))
+
     async def admin_drain(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
@@ -1184,6 +1201,7 @@ def create_app(
     routes.add("GET", "/metrics", gw.metrics_endpoint)
     if config.admin_token:
         routes.add("GET", "/admin/engines", gw.admin_engines)
+        routes.add("GET", "/admin/router", gw.admin_router)
         routes.add("POST", "/admin/engines/{engine_id}/{action:drain|undrain}", gw.admin_drain)
     return GatewayApp(gw, routes)
 

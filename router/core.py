@@ -258,6 +258,11 @@ class Router:
                     "inflight": eng.inflight,
                     "routed_total": eng.routed_total,
                     "load_ms": round(ev.load_ms, 3),
+                    # Preble's L (what rebalancing weighs): prefill + output tokens x TPOT
+                    "window_ms": round(eng.window_ms(), 3),
+                    "window_prefill_ms": round(eng.load_prefill_ms, 3),
+                    "window_out_tokens": round(eng.load_out_tokens),
+                    "window_requests": eng.load_requests,
                     "tpot_ms": round(eng.tpot_ms, 3),
                     # the online fit: how much slower (> 1) than its profile it runs, and the
                     # weight of the evidence (0: nothing measured, the profile is trusted)

@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.routing import embedded_routing
 
 pytestmark = pytest.mark.timeout(120)
+ADMIN = "s3cret"
 
 
 def client(url: str) -> openai.AsyncOpenAI:
@@ -109,7 +110,11 @@ async def live_stack(
             urls.append(u)
         async with embedded_routing(rb, policy="e2") as routing:
             cfg = GatewayConfig(
-                health_interval_s=0.2, refresh_interval_s=0.2, debug_header=True, access_log=False
+                health_interval_s=0.2,
+                refresh_interval_s=0.2,
+                debug_header=True,
+                access_log=False,
+                admin_token=ADMIN,
             )
             app = create_app(cfg, routing.service, stats=routing.stats, on_drain=routing.on_drain)
             gw_runner, port = await serve(app, "127.0.0.1", 0, drain_timeout_s=2)
@@ -152,6 +157,16 @@ async def _traffic(url: str, n: int, tag: str, stream: bool = False) -> list[int
 async def test_engine_killed_mid_run() -> None:
     async with live_stack("memory://", "", "kvgate:", n=3) as st:
         assert set(await _traffic(st.url, 12, "before")) == {200}
+        # What the embedded router sees: every engine, the 12 requests it routed, its loads.
+        async with aiohttp.ClientSession() as s:
+            assert (await s.get(st.url + "/admin/router")).status == 401
+            r = await s.get(st.url + "/admin/router", headers={"Authorization": f"Bearer {ADMIN}"})
+            state = await r.json()
+        engines = {e["engine_id"]: e for e in state["engines"]}
+        assert set(engines) == {"engine-0", "engine-1", "engine-2"}
+        assert sum(e["routed_total"] for e in engines.values()) == 12
+        assert all(e["window_ms"] > 0 and e["tpot_ms"] > 0 for e in engines.values())
+        assert state["policy"] == "e2" and state["broker"]["connected"]
         # Kill engine-1 while requests are in flight: its port stops answering.
         killer = asyncio.create_task(st.engine_runners[1].cleanup())
         statuses = await _traffic(st.url, 30, "during", stream=True)
@@ -219,7 +234,12 @@ async def test_remote_router_mode_and_router_outage() -> None:
     try:
         opts = RoutingOptions(router_url=f"http://127.0.0.1:{router_port}")
         async with open_routing(opts) as routing:
-            cfg = GatewayConfig(refresh_interval_s=0.2, health_interval_s=0.2, debug_header=True)
+            cfg = GatewayConfig(
+                refresh_interval_s=0.2,
+                health_interval_s=0.2,
+                debug_header=True,
+                admin_token=ADMIN,
+            )
             app = create_app(cfg, routing.service)
             gw_runner, port = await serve(app, "127.0.0.1", 0, drain_timeout_s=1)
             gw = app[GATEWAY_KEY]
@@ -231,6 +251,11 @@ async def test_remote_router_mode_and_router_outage() -> None:
                     model=MODEL, prompt="remote " * 40, max_tokens=3
                 )
                 assert "policy=e2" in raw.headers["x-kvgate-route"]
+                # the router's state is its own service's (GET /state), not the gateway's
+                async with aiohttp.ClientSession() as s:
+                    auth = {"Authorization": f"Bearer {ADMIN}"}
+                    r = await s.get(url + "/admin/router", headers=auth)
+                    assert r.status == 404 and "GET /state" in (await r.json())["error"]["message"]
                 await router_runner.cleanup()  # the router goes away
                 raw = await oc.completions.with_raw_response.create(
                     model=MODEL, prompt="remote " * 40, max_tokens=3
