@@ -19,6 +19,7 @@ from bench.bench_vllm_routing import (
     main,
     one_copy_hit_rate,
     replica_workload,
+    router_view,
     run_once,
 )
 from kvgate.cost_model import load_profile
@@ -87,6 +88,15 @@ class _FakeVllm(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         n = type(self).served
+        if self.path == "/admin/router":  # the gateway's view of its embedded router
+            state = {"engines": [{"engine_id": "v0", "routed_total": n, "window_ms": 8.0 * n,
+                                  "tpot_ms": 2.5, "inflight": 0}]}  # fmt: skip
+            text = json.dumps(state).encode()
+            self.send_response(200 if self.headers.get("authorization") else 401)
+            self.send_header("content-length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+            return
         text = (
             f'vllm:prefix_cache_queries_total{{engine="0"}} {10.0 * n}\n'
             f'vllm:prefix_cache_hits_total{{engine="0"}} {4.0 * n}\n'
@@ -130,11 +140,18 @@ def test_a_live_run_measures_hits_shares_and_what_the_client_waited(stream: bool
         engine = Engine("v0", url, "", "", None)  # type: ignore[arg-type]
         args = argparse.Namespace(stream=stream, concurrency=2)
         got = run_once(url, ["a prompt"] * 6, [engine], args)
+        view = router_view(url)
     finally:
         server.shutdown()
         server.server_close()
     assert got["errors"] == 0 and got["requests_per_engine"] == {"v0": 6}
     assert got["hit_rate"] == pytest.approx(0.4)
+    assert got["hit_rate_per_engine"] == {"v0": pytest.approx(0.4)}
+    # the router's view at the end of the run: the fields kept, absent ones as None
+    assert view == {
+        "v0": {"routed_total": 6, "window_ms": 48.0, "window_prefill_ms": None,
+               "window_out_tokens": None, "window_requests": None, "tpot_ms": 2.5, "speed": None}
+    }  # fmt: skip
     assert got["routes"] == ["policy=e2;reason=exploit;engine=v0;matched=0"] * 6
     lat = got["latency_ms"]
     assert lat["p50"] >= 1e3 * _FakeVllm.first_token_s and lat["p99"] >= lat["p50"]
