@@ -196,12 +196,20 @@ class _StateCollector(Collector):
             "Each engine's TPOT as the router prices it (median of its recent measurements)",
             labels=["engine"],
         )
+        window = GaugeMetricFamily(
+            "kvgate_router_engine_window_load_seconds",
+            "Each engine's windowed load as rebalancing weighs it (Preble's L: the prefill routed "
+            "there in the window plus its output tokens x the engine's TPOT)",
+            labels=["engine"],
+        )
         for eid, eng in sorted(router.cluster.engines.items()):
             speed.add_metric([eid, "prefill"], eng.speed.prefill)
             speed.add_metric([eid, "decode"], eng.speed.decode)
             tpot.add_metric([eid], eng.tpot_ms / 1000.0)
+            window.add_metric([eid], eng.window_ms() / 1000.0)
         yield speed
         yield tpot
+        yield window
         events = CounterMetricFamily(
             "kvgate_router_events", "Broker events applied, by kind", labels=["kind"]
         )

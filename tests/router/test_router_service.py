@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import random
+import re
 import time
 from collections.abc import Callable
 
@@ -222,6 +223,11 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
                     'kvgate_router_engine_speed_factor{engine="eng0",phase="prefill"} 1.0' in text
                 )
                 assert 'kvgate_router_engine_tpot_seconds{engine="eng0"} 0.15' in text
+                # the request routed to eng0 is in its windowed load (what rebalancing weighs)
+                window = re.search(
+                    r'kvgate_router_engine_window_load_seconds\{engine="eng0"\} (\S+)', text
+                )
+                assert window is not None and float(window.group(1)) > 0
             async with http.get(f"{base}/health") as resp:
                 assert resp.status == 200 and (await resp.json())["engines_alive"] == 1
             async with http.post(f"{base}/engines/eng0/drain") as resp:
