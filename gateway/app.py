@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import inspect
 import logging
 import math
 import os
@@ -1106,15 +1105,12 @@ class Gateway:
         ``GET /state`` gives it. (With several workers, this worker's router.)"""
         if not self._authorized(request):
             return self._unauthorized()
-        state = getattr(self.routing, "state", None)
+        state = getattr(self.routing, "state", None)  # only the embedded router has it
         if state is None:
             return error_response(
                 404, "the router runs apart from this gateway: read its GET /state"
             )
-        body = state()
-        if inspect.isawaitable(body):
-            body = await body
-        return json_response(orjson.dumps(body))
+        return json_response(orjson.dumps(state()))
 
     async def admin_drain(self, request: Request) -> Response:
         if not self._authorized(request):
