@@ -91,6 +91,7 @@ MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 RATE_TAU_S = 10.0  # EngineView.rate_per_s decays with this time constant
 CONGESTED = 0.95  # a decode batch this full (or fuller) is as congested as it gets
 MAX_OVERTAKEN = 0.9  # at most this share of a busy engine's time goes to overtakers (10x)
+SPARE = 0.5  # an engine whose prefill and decode are both less busy than this has room to spare
 TPOT_MISS_RETRY_MS = 1000.0
 
 
@@ -130,9 +131,11 @@ class Estimate:
         "admit_ms",
         "arrivals",
         "behind",
+        "busy",
         "credited",
         "decode_fits",
         "decode_harm",
+        "fill",
         "own_ms",
         "own_work_ms",
         "queue_ms",
@@ -161,7 +164,10 @@ class Estimate:
         own_work_ms: float | None = None,
         place_ms: float = 0.0,
         decode_fits: bool | None = None,
+        fill: float = 0.0,
     ) -> None:
+        self.busy = busy  # the engine's recent prefill utilization (of prefill's GPU share)
+        self.fill = fill  # its decode batch's share of the places SCORPIO's admission allows
         # ms its decode will add to later requests (their prefill, or their wait for a place)
         self.decode_harm = decode_harm
         self.credited = credited  # key bytes counted as cached there
@@ -199,6 +205,12 @@ class Estimate:
             places_busy = min(rate_per_s * place_ms / 1000.0, CONGESTED)
             waiting = rate_per_s * admit_ms / 1000.0 / (1.0 - places_busy)
             self.decode_harm = max(decode_harm, place_ms * (1.0 + waiting))
+
+    def spare(self) -> bool:
+        """Whether the engine has room of every kind now: no prefill queued there, and its
+        prefill utilization and decode batch both under ``SPARE``. Extra work there (a prefill
+        that a cached copy elsewhere would have saved) delays nobody."""
+        return self.queue_ms <= 0.0 and not self.behind and self.busy < SPARE and self.fill < SPARE
 
     def excess_ms(self, ttft_slo_ms: float) -> float:
         """By how much the request would miss its SLO here even if nothing overtook it (0: it
@@ -448,6 +460,7 @@ def estimate(
         own_work,
         place,
         fits_alone,
+        fill,
     )
 
 

@@ -347,10 +347,13 @@ def test_approximate_mode_learns_from_decisions_alone() -> None:
     assert r.route(RouteRequest("c", "m", key + b"3", 1000, 10), 2000.0).reason != "exploit"
 
 
-def test_rebalance_moves_a_prefix_group_end_to_end() -> None:
+@pytest.mark.parametrize("follow_spare", [False, True])
+def test_rebalance_moves_a_prefix_group_end_to_end(follow_spare: bool) -> None:
     f = Fleet(n=2, policy="e2")
     f.router.policy = type(f.router.policy)(
-        type(f.router.policy.config)(rebalance=True, slo_filter=False, warmup_requests=5)
+        type(f.router.policy.config)(
+            rebalance=True, slo_filter=False, warmup_requests=5, follow_spare=follow_spare
+        )
     )
     hot = [bytes([65 + g]) * 2048 for g in range(4)]
     for g, key in enumerate(hot):
@@ -367,9 +370,16 @@ def test_rebalance_moves_a_prefix_group_end_to_end() -> None:
     f.router.set_draining("e0", False)
     assert f.router.cluster.engines["e1"].routed_total == 6
     assert "rebalance" not in reasons
-    reasons = [f.route(f"s{i}", hot[i % 4] + b"?", 30.0 + i).reason for i in range(8)]
+    decisions = [f.route(f"s{i}", hot[i % 4] + b"?", 30.0 + i) for i in range(8)]
+    reasons = [d.reason for d in decisions]
     cluster = f.router.cluster
     assert cluster.moves >= 1
+    if follow_spare:
+        # e1 has nothing queued and room to spare: a moved group's requests go there, its one
+        # prefill there an investment the group's later requests repay
+        followed = [d for d in decisions if d.reason == "rebalance"]
+        assert followed and all(d.engine_id == "e1" for d in followed)
+        return
     # e1 holds none of the hot prefixes, so the cost keeps their requests on e0 (a move is
     # honoured only where the cost finds its target as good as the best)...
     assert "rebalance" not in reasons

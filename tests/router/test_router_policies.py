@@ -800,11 +800,53 @@ def test_e2_follows_overrides_and_replicas_within_the_tie_band() -> None:
     # a holds 39 KB of it: b and c would prefill it all, far outside the band; the cost decides
     # (followed everywhere, Preble's moves cost 0.7 points on the held-out Mooncake trace)
     view = FakeView(engines, matched={"a": 39_000}, overrides={1: "b"})
-    d = make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0)
+    band_only = REBALANCE | {"follow_spare": False}
+    d = make_policy("e2", band_only).choose(ctx(group=1), view, 0.0)
     assert (d.engine_id, d.reason) == ("a", "exploit")
     view = FakeView(engines, matched={"a": 39_000}, reps={1: frozenset({"b", "c"})})
     d = make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0)
     assert (d.engine_id, d.reason) == ("a", "exploit")
+
+
+def test_e2_follows_a_move_to_an_engine_with_room_to_spare_as_an_investment() -> None:
+    """A moved group's new engine must prefill the prefix again, so beside an idle holder it is
+    never in the band; where it has room to spare (nothing queued, prefill and decode under
+    half busy) and would be in the band if it held the prefix, the move is followed: the copy
+    delays nobody. Anywhere busier, the cost decides and the holder keeps the group."""
+    held = {"a": 39_000}
+    spare = FakeView([ev("a"), ev("b")], matched=held, overrides={1: "b"})
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1), spare, 0.0)
+    assert (d.engine_id, d.reason) == ("b", "rebalance")
+    # not without the move, nor with follow_spare off
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1), FakeView(spare.engines, held), 0.0)
+    assert (d.engine_id, d.reason) == ("a", "exploit")
+    off = make_policy("e2", REBALANCE | {"follow_spare": False})
+    assert off.choose(ctx(group=1), spare, 0.0).engine_id == "a"
+    # prefill queued at the new engine
+    queued = ev("b", hb=_hb(queued=500))
+    view = FakeView([ev("a"), queued], matched=held, overrides={1: "b"})
+    assert make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0).engine_id == "a"
+    # its prefill over half busy (600 ms of prefill routed there a second)
+    busy = replace(ev("b"), rate_per_s=10.0, prefill_rate=600.0)
+    view = FakeView([ev("a"), busy], matched=held, overrides={1: "b"})
+    assert make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0).engine_id == "a"
+
+
+def test_an_engine_has_room_to_spare_only_with_nothing_queued_and_both_phases_under_half() -> None:
+    def spare(engine: EngineView) -> bool:
+        view = FakeView([engine])
+        return estimate(view.engines[0], ctx(), 0, view, 0.0, {}).spare()
+
+    assert spare(ev("b"))
+    assert not spare(ev("b", hb=_hb(queued=500)))
+    assert spare(replace(ev("b"), rate_per_s=10.0, prefill_rate=400.0))
+    assert not spare(replace(ev("b"), rate_per_s=10.0, prefill_rate=600.0))
+    # the decode batch: half of the places SCORPIO's admission allows there, or more
+    view = FakeView([ev("b")])
+    capacity = batch_capacity(view.engines[0], 10_100.0, ctx().request.slo.tpot_ms)
+    few, many = capacity // 2 - 2, capacity // 2 + 2
+    assert spare(ev("b", inflight=few, open_ctx=10_100.0 * few))
+    assert not spare(ev("b", inflight=many, open_ctx=10_100.0 * many))
 
 
 def _hb(queued: int = 0, vbs: float = 0.0, running: int = 0, used: int = 0) -> LoadHeartbeat:
