@@ -501,16 +501,29 @@ class E2(PolicyBase):
         now: float,
     ) -> bool:
         """Whether ``ev``, a moved group's new engine outside the tie band, is worth its copy of
-        the prefix: it has room to spare now and, as if it held what the best holder holds, its
-        cost is within the band of the cheapest."""
+        the prefix: it has room to spare now, as if it held what the best holder holds its cost
+        is within the band of the cheapest, and what the copy costs over that (this request's
+        later first token, the requests it delays there, what it evicts) is no more than the
+        band's share of its TTFT SLO (a delay the SLO cannot tell from a prediction's error): a
+        long document's copy costs seconds, and on arrival-order engines such moves made the
+        tail requests."""
         held = max(view.matched.values(), default=0)
         est = estimate(ev, ctx, held, view, now, self._p_cache, held)
         if not (est.tpot_ok and est.spare()):
             return False
         cfg = self.config
         as_holder = _Scored(ev, est, held, cfg.work_weight, False)
-        best = min(s.cost for s in finalists)
-        return as_holder.cost <= best + cfg.tie_rel * best + cfg.tie_ms
+        best = min(finalists, key=_cost)
+        if as_holder.cost > best.cost + cfg.tie_rel * best.cost + cfg.tie_ms:
+            return False
+        eid = ev.engine_id
+        real = estimate(
+            ev, ctx, view.matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
+        )
+        copy = _Scored(ev, real, real.credited, cfg.work_weight, False)
+        if cfg.eviction_term:
+            self._price_eviction(copy, ctx, view, now)
+        return copy.cost - as_holder.cost <= cfg.tie_rel * ctx.request.slo.ttft_ms + cfg.tie_ms
 
     def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:
         """Preble's post-assignment rebalancing (only with ``rebalance``): see the module

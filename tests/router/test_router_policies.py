@@ -812,16 +812,28 @@ def test_e2_follows_a_move_to_an_engine_with_room_to_spare_as_an_investment() ->
     """A moved group's new engine must prefill the prefix again, so beside an idle holder it is
     never in the band; where it has room to spare (nothing queued, prefill and decode under
     half busy) and would be in the band if it held the prefix, the move is followed: the copy
-    delays nobody. Anywhere busier, the cost decides and the holder keeps the group."""
-    held = {"a": 39_000}
+    delays nobody, and what it costs (its request's later first token, the work it adds there)
+    is within the tie band's share of the request's TTFT SLO. Anywhere busier, or where the copy
+    costs more, the cost decides and the holder keeps the group."""
+    slo = Slo(10_000.0, 1_000.0)  # the band's share of it: 5% + 5 ms = 505 ms
+    held = {"a": 8_000}  # 2k of the key's 10k tokens: ~1.0 s on a, ~1.2 s on b
     spare = FakeView([ev("a"), ev("b")], matched=held, overrides={1: "b"})
-    d = make_policy("e2", REBALANCE).choose(ctx(group=1), spare, 0.0)
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1, slo=slo), spare, 0.0)
+    assert (d.engine_id, d.reason) == ("b", "rebalance")
+    # a long prefix (39 KB: ~60 ms on a against ~1.2 s on b): the copy would cost over 2 s
+    long = FakeView(spare.engines, matched={"a": 39_000}, overrides={1: "b"})
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1, slo=slo), long, 0.0)
+    assert (d.engine_id, d.reason) == ("a", "exploit")
+    # ... unless its SLO is so relaxed that this is within the band's share (60 s: 3 s)
+    d = make_policy("e2", REBALANCE).choose(ctx(group=1, slo=Slo(60_000.0, 1_000.0)), long, 0.0)
     assert (d.engine_id, d.reason) == ("b", "rebalance")
     # not without the move, nor with follow_spare off
-    d = make_policy("e2", REBALANCE).choose(ctx(group=1), FakeView(spare.engines, held), 0.0)
+    d = make_policy("e2", REBALANCE).choose(
+        ctx(group=1, slo=slo), FakeView(spare.engines, held), 0.0
+    )
     assert (d.engine_id, d.reason) == ("a", "exploit")
     off = make_policy("e2", REBALANCE | {"follow_spare": False})
-    assert off.choose(ctx(group=1), spare, 0.0).engine_id == "a"
+    assert off.choose(ctx(group=1, slo=slo), spare, 0.0).engine_id == "a"
     # prefill queued at the new engine
     queued = ev("b", hb=_hb(queued=500))
     view = FakeView([ev("a"), queued], matched=held, overrides={1: "b"})
