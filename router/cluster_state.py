@@ -304,6 +304,7 @@ class ClusterState:
                 load_ms=self._load_of(eng),
                 window_ms=eng.window_ms(),
                 window_requests=eng.load_requests,
+                window_out_tokens=max(eng.load_out_tokens, 0),
                 tpot_ms=eng.tpot_ms,
                 hit_ratio=eng.hit_matched / eng.hit_total if eng.hit_total else 0.0,
                 free_bytes=max(capacity - max(held, used), 0),

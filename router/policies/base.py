@@ -52,6 +52,7 @@ class EngineView:
     position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
     window_ms: float = 0.0  # L_i over Preble's window (what rebalancing moves), any load mode
     window_requests: int = 0  # the requests routed there in that window (moves included)
+    window_out_tokens: float = 0.0  # ... and their output tokens (``window_ms`` prices them at TPOT)
     open_ctx_tokens: float = 0.0  # sum over in-flight requests of input + output / 2 tokens
     # the engine's fitted speed (kvgate.cost_model.SpeedFit): multiply the profile's times
     prefill_scale: float = 1.0
@@ -93,6 +94,7 @@ class EngineView:
         position: int = 0,
         window_ms: float = 0.0,
         window_requests: int = 0,
+        window_out_tokens: float = 0.0,
         open_ctx_tokens: float = 0.0,
         prefill_scale: float = 1.0,
         decode_scale: float = 1.0,
@@ -125,6 +127,7 @@ class EngineView:
         self.position = position
         self.window_ms = window_ms
         self.window_requests = window_requests
+        self.window_out_tokens = window_out_tokens
         self.open_ctx_tokens = open_ctx_tokens
         self.prefill_scale = prefill_scale
         self.decode_scale = decode_scale

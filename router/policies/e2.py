@@ -567,6 +567,8 @@ class E2(PolicyBase):
                 # above sends it less): moving work there was measured -2.8 points in mixed
                 # fleets
                 continue
+            if not _busier_on_one_clock(busiest, least, cfg.rebalance_ratio):
+                continue
             moves = self._moves(view, busiest, least, now)
             if moves:
                 return moves
@@ -615,6 +617,20 @@ class E2(PolicyBase):
             if hi < cfg.rebalance_ratio * lo:
                 break
         return tuple(moves)
+
+
+def _busier_on_one_clock(busiest: EngineView, least: EngineView, ratio: float) -> bool:
+    """Whether ``busiest`` is still ``ratio`` x busier than ``least`` with both engines' output
+    tokens priced at one TPOT (the mean of theirs). Each engine's windowed load prices them at
+    its own measured TPOT, and behind the vLLM bridge that is its inter-token latency, prefill
+    chunks included: of three identical engines the one serving mostly hits read 2x faster
+    (6.7 against 14-15 ms), so it looked least busy, and rebalancing moved a group *to* the
+    engine with the most requests (which ended with 48% of them). Engines of one speed class
+    (the ``SAME_SPEED`` check) decode at one rate; their measured TPOTs differ by contention."""
+    clock = (busiest.tpot_ms + least.tpot_ms) / 2.0
+    hi = busiest.window_ms + busiest.window_out_tokens * (clock - busiest.tpot_ms)
+    lo = least.window_ms + least.window_out_tokens * (clock - least.tpot_ms)
+    return hi > 0.0 and hi >= ratio * lo
 
 
 def significant(busiest: int, least: int) -> bool:

@@ -663,6 +663,28 @@ def test_e2_rebalancing_fires_at_1_5x_and_not_below() -> None:
     assert off.rebalance(ctx(), _rebalance_view(300.0, 100.0), 0.0) == ()
 
 
+def test_e2_rebalancing_compares_two_engines_output_on_one_clock() -> None:
+    """Each engine's windowed load prices its output tokens at its own measured TPOT, which
+    behind the vLLM bridge counts the prefill chunks in its steps: identical engines read 2x
+    apart. Priced at one TPOT, two engines that took the same work are equally busy."""
+    def view(tpot_busy: float, tpot_idle: float) -> FakeView:
+        busy = replace(ev("busy"), window_ms=1000 * tpot_busy, window_out_tokens=1000)
+        busy = replace(busy, tpot_ms=tpot_busy)
+        idle = replace(ev("idle"), window_ms=1000 * tpot_idle, window_out_tokens=1000)
+        idle = replace(idle, tpot_ms=tpot_idle)
+        groups = {"busy": [GroupLoad(11, 300.0 * tpot_busy / 15, 5)]}
+        return FakeView([busy, idle], groups=groups)
+
+    e2 = make_policy("e2", REBALANCE)
+    # 15 ms against 7 ms a token for the same 1,000 tokens: the same work, no move
+    assert e2.rebalance(ctx(), view(15.0, 7.0), 0.0) == ()
+    # the same TPOTs and 1,000 tokens against 400: a real imbalance still moves
+    unequal = view(15.0, 7.0)
+    unequal.engines[1] = replace(unequal.engines[1], window_ms=2800.0, window_out_tokens=400)
+    moves = e2.rebalance(ctx(), unequal, 0.0)
+    assert moves and (moves[0].src, moves[0].dst) == ("busy", "idle")
+
+
 def test_e2_rebalancing_waits_for_warmup_of_50_requests_an_engine_on_average() -> None:
     # 149 requests on 3 engines: still warming up
     view = _rebalance_view(300.0, 100.0)
