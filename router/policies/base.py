@@ -52,7 +52,7 @@ class EngineView:
     position: int = 0  # rank in the cluster's (registration) order: ClusterView.engines' order
     window_ms: float = 0.0  # L_i over Preble's window (what rebalancing moves), any load mode
     window_requests: int = 0  # the requests routed there in that window (moves included)
-    window_out_tokens: float = 0.0  # ... and their output tokens (``window_ms`` prices them at TPOT)
+    window_out_tokens: float = 0.0  # ... and their output tokens (priced at TPOT in window_ms)
     open_ctx_tokens: float = 0.0  # sum over in-flight requests of input + output / 2 tokens
     # the engine's fitted speed (kvgate.cost_model.SpeedFit): multiply the profile's times
     prefill_scale: float = 1.0

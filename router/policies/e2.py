@@ -106,10 +106,15 @@ engine *when would this request's first token come out there, and what does it c
   balanced, the engines did not) and one engine kept 45% of the requests in 3 of 13 runs. With
   ``follow_spare`` (on) a move is followed also where the new engine has room to spare
   (:meth:`Estimate.spare <router.policies.feasibility.Estimate.spare>`: nothing queued for
-  prefill, prefill and decode both under half busy) and would be in the band if it held what
-  the best holder holds: the copy's one prefill delays nobody there and the group's later
+  prefill, prefill and decode both under half busy), would be in the band if it held what
+  the best holder holds, and the copy costs over that no more than the band's share of the
+  request's TTFT SLO: the copy's one prefill delays nobody there and the group's later
   requests repay it; under load the cost decides as before (followed wherever the new engine
-  merely had nothing queued, saturated 4-engine cells lost 1.3-1.8 points). With
+  merely had nothing queued, saturated 4-engine cells lost 1.3-1.8 points; without the bound
+  on the copy's cost, long documents' copies on arrival-order engines made the tail). Two
+  engines are compared with their output tokens priced at one TPOT (the mean of theirs,
+  :func:`_busier_on_one_clock`): behind the vLLM bridge a measured TPOT counts the prefill
+  chunks in the engine's steps, and a group was moved to the engine with the most requests. With
   ``significant_warmup`` (off) a move may come before the warm-up when the two engines' request
   counts in the window differ by two standard deviations of a fair split (:func:`significant`):
   in the replica 1 run of 200 over 45%, but on real vLLM it cost 0.009 of hit rate.

@@ -667,6 +667,7 @@ def test_e2_rebalancing_compares_two_engines_output_on_one_clock() -> None:
     """Each engine's windowed load prices its output tokens at its own measured TPOT, which
     behind the vLLM bridge counts the prefill chunks in its steps: identical engines read 2x
     apart. Priced at one TPOT, two engines that took the same work are equally busy."""
+
     def view(tpot_busy: float, tpot_idle: float) -> FakeView:
         busy = replace(ev("busy"), window_ms=1000 * tpot_busy, window_out_tokens=1000)
         busy = replace(busy, tpot_ms=tpot_busy)
