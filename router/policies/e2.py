@@ -478,9 +478,10 @@ class E2(PolicyBase):
         engine is in the tie band: the cost finds it as good as the best; elsewhere the cost
         decides. (Followed everywhere, Preble's moves cost 0.7 points on the held-out Mooncake
         trace.) A moved group's new engine that must prefill the prefix again is never in the
-        band beside an idle holder; with ``follow_spare`` it is followed anyway where it has
-        room to spare and would be in the band if it held what the best holder holds: the
-        copy's prefill costs nobody a wait there, and the group's later requests hit it."""
+        band beside an idle holder; with ``follow_spare`` it is followed anyway where the copy
+        is worth it (:meth:`_worth_investing`: room to spare there, in the band as if it held
+        the prefix, the copy's own cost small against the request's SLO): the copy's prefill
+        costs nobody a wait there, and the group's later requests hit it."""
         target = view.override(ctx.group)
         if target is not None:
             for s in finalists:
