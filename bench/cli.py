@@ -67,7 +67,23 @@ def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake")
         "--workload",
         dest="workload",
         default=default,
-        help=f"workload: {', '.join(WORKLOADS)}, or a Mooncake .jsonl / Azure .csv path",
+        help=f"workload: {', '.join(WORKLOADS)}, or a trace file: hash-id .jsonl (Mooncake,"
+        " Qwen-Bailian) or a .csv of arrivals and lengths (Azure, BurstGPT), gzipped or not",
+    )
+    g.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a .jsonl trace's tokens per hash id (default: inferred from its lines; Mooncake"
+        " 512, Qwen-Bailian 16)",
+    )
+    g.add_argument(
+        "--trace-time-unit",
+        choices=("auto", "ms", "s"),
+        default="auto",
+        help="a trace file's numeric timestamps (default auto: .jsonl milliseconds when all are"
+        " integers and the lines carry no chat_id/turn, else seconds; .csv seconds)",
     )
     g.add_argument("--start", type=float, default=0.0, help="window start, trace seconds")
     g.add_argument(
@@ -105,6 +121,8 @@ def _workload_options(args: argparse.Namespace, rate_scale: float = 1.0) -> Work
         cv=args.cv,
         keep=args.keep,
         spread=args.spread,
+        trace_block_tokens=args.trace_block_tokens,
+        trace_time_unit=args.trace_time_unit,
     )
 
 

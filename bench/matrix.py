@@ -54,7 +54,7 @@ import orjson
 
 from bench.sim.runner import SimConfig, run_one
 from bench.sim.world import LinkConfig
-from bench.workloads import Request, WorkloadOptions, build_workload, scale_rate
+from bench.workloads import Request, WorkloadOptions, build_workload, scale_rate, trace_format
 from kvgate.cost_model import load_profile
 from router.policies.registry import POLICIES
 
@@ -206,7 +206,7 @@ def base_workload(workload: str, seed: int, n: int, profile: str) -> tuple[Reque
     """The first ``n`` requests of ``workload`` at its own rate, with the matrix's SLOs (cached
     per process: every cell of a combo compresses the same requests)."""
     slo = None if workload in OWN_SLOS else SCALED_SLO
-    trace = workload in ("mooncake", "azure") or workload.endswith((".jsonl", ".csv"))
+    trace = trace_format(workload) is not None
     opts = WorkloadOptions(
         seed=seed,
         rate=SYNTHETIC_RATE,

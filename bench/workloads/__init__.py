@@ -56,6 +56,7 @@ __all__ = [
     "spread_ties",
     "thin",
     "tokens_for_bytes",
+    "trace_format",
     "window",
 ]
 
@@ -75,6 +76,9 @@ class WorkloadOptions:
     cv: float = 1.0
     keep: float = 1.0  # thin the window to this fraction of its requests (by request id)
     spread: float = 0.0  # spread requests sharing a timestamp over this many seconds
+    # a trace file's hash block in tokens and its timestamps' unit (None / "auto": inferred)
+    trace_block_tokens: int | None = None
+    trace_time_unit: str = "auto"
 
 
 SYNTHETIC_DURATION_S = 600.0
@@ -86,12 +90,18 @@ DEFAULT_SLO = {"mooncake": "scaled:5:100", "azure": "scaled:5:100"}
 
 def _mooncake(opts: WorkloadOptions, path: Path | None = None) -> list[Request]:
     """Mooncake conversation trace: 1 h of Kimi traffic, shared prefixes from hash_ids."""
-    return traces.load_mooncake(path or traces.MOONCAKE_PATH, model=opts.model)
+    if path is None:
+        return traces.load_mooncake(model=opts.model)
+    return traces.load_hash_trace(
+        path, model=opts.model, block_tokens=opts.trace_block_tokens, time_unit=opts.trace_time_unit
+    )
 
 
 def _azure(opts: WorkloadOptions, path: Path | None = None) -> list[Request]:
     """Azure LLM inference trace (conversation, Nov 2023): arrivals, lengths, unique prompts."""
-    return traces.load_azure(path or traces.AZURE_PATH, model=opts.model)
+    return traces.load_csv_trace(
+        path or traces.AZURE_PATH, model=opts.model, time_unit=opts.trace_time_unit
+    )
 
 
 def _synthetic(fn: Callable[..., list[Request]]) -> Callable[[WorkloadOptions], list[Request]]:
@@ -139,23 +149,44 @@ WORKLOADS: dict[str, Callable[[WorkloadOptions], list[Request]]] = {
 }
 
 
+def trace_format(name: str) -> str | None:
+    """``jsonl`` (hash ids) or ``csv`` (lengths) for a trace file's name, gzipped or not, or
+    a packaged trace's; None for anything else."""
+    if name == "mooncake":
+        return "jsonl"
+    if name == "azure":
+        return "csv"
+    plain = name.removesuffix(".gz")
+    if plain.endswith((".jsonl", ".json")):
+        return "jsonl"
+    return "csv" if plain.endswith(".csv") else None
+
+
 def build_workload(
     name: str, opts: WorkloadOptions | None = None, *, profile: CostProfile | None = None
 ) -> list[Request]:
-    """The requests of workload ``name`` (a registry key, or a ``.jsonl``/``.csv`` trace path)."""
+    """The requests of workload ``name`` (a registry key, or a trace path: hash-id JSONL or
+    a CSV of lengths, either may be gzipped); ValueError when there are none."""
     opts = opts or WorkloadOptions()
     kind = name
     if name in WORKLOADS:
         reqs = WORKLOADS[name](opts)
     else:
         path = Path(name)
-        if path.suffix == ".jsonl":
+        if trace_format(name) == "jsonl":
             kind, reqs = "mooncake", _mooncake(opts, path)
-        elif path.suffix == ".csv":
+        elif trace_format(name) == "csv":
             kind, reqs = "azure", _azure(opts, path)
         else:
             known = ", ".join(WORKLOADS)
-            raise ValueError(f"unknown workload {name!r}: one of {known}, or a .jsonl/.csv trace")
+            raise ValueError(
+                f"unknown workload {name!r}: one of {known}, or a .jsonl/.csv trace (or .gz)"
+            )
+        if not reqs:
+            raise ValueError(
+                f"no requests in {name}: no line was a request (the log names the first"
+                " skipped lines and why)"
+            )
     reqs = spread_ties(reqs, opts.spread)
     reqs = window(reqs, opts.start, opts.duration)
     reqs = thin(reqs, opts.keep, opts.seed)

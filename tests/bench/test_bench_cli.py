@@ -37,10 +37,39 @@ def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "rep_tool_use_policies_slo_ttft.png").exists()
 
 
+def test_sim_replays_a_qwen_bailian_format_trace(tmp_path: Path, caplog) -> None:
+    """A hash-id trace of 16-token blocks and seconds (Qwen-Bailian's format) replays as it is:
+    read as Mooncake's 512-token blocks and milliseconds, every line was skipped and the run
+    crashed on an empty workload."""
+    trace = tmp_path / "qwen_trace.jsonl"
+    rows = []
+    for i in range(60):  # 3 system prompts of 4 blocks, a question of 2-3 blocks each
+        n_in = 64 + 20 + i % 17
+        ids = [100 * (i % 3) + b for b in range(4)] + [1000 + 10 * i + b for b in range(3)]
+        rows.append({"chat_id": i, "parent_chat_id": -1, "timestamp": round(0.37 * i, 3),
+                     "input_length": n_in, "output_length": 8, "type": "text", "turn": 1,
+                     "hash_ids": ids[: -(-n_in // 16)]})  # fmt: skip
+    trace.write_bytes(b"\n".join(orjson.dumps(r) for r in rows) + b"\n")
+    out = tmp_path / "q.json"
+    rc = main(["bench", "sim", "--trace", str(trace), "--engines", "2", "--policies",
+               "e2,round_robin", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    runs = orjson.loads(out.read_bytes())["runs"]
+    assert [r["summary"]["requests"] for r in runs] == [60, 60]
+    # the arrivals are seconds (22 s of trace, not 22 ms), and the shared system prompts hit
+    e2 = runs[0]["summary"]
+    assert 2 < e2["offered_rps"] < 4 and e2["prefix_hit_rate"] > 0.3
+    assert "read as 16-token hash blocks" in caplog.text
+
+
 def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     assert main(["bench", "report", "--inputs", str(tmp_path / "missing.json")]) == 2
     rc = main(["bench", "sim", "--trace", "nope", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "unknown workload" in capsys.readouterr().err
+    junk = tmp_path / "junk.jsonl"
+    junk.write_bytes(b"not json\n")
+    rc = main(["bench", "sim", "--trace", str(junk), "--out", str(tmp_path / "x.json")])
+    assert rc == 2 and "no requests in" in capsys.readouterr().err
     rc = main(["bench", "sim", "--trace", "tool_use", "--duration", "2", "--policies",
                "e2[bogus=1]", "--out", str(tmp_path / "x.json")])  # fmt: skip
     assert rc == 2 and "bogus" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import math
 from pathlib import Path
@@ -20,7 +21,14 @@ from bench.workloads import (
     window,
 )
 from bench.workloads.request import Request, Segment, Turn, content_seed, segment_bytes
-from bench.workloads.traces import LoadStats, load_azure, load_mooncake, mooncake_segments
+from bench.workloads.traces import (
+    LoadStats,
+    hash_segments,
+    infer_block_tokens,
+    infer_time_unit,
+    load_csv_trace,
+    load_hash_trace,
+)
 from bench.workloads.transform import SloSpecError, parse_slo_spec, scaled_slo
 from kvgate.cost_model import default_profile
 from kvgate.openai_request import parse_request
@@ -57,7 +65,7 @@ def test_mooncake_equal_leading_ids_iff_equal_leading_bytes(tmp_path: Path) -> N
         {"timestamp": 9, "input_length": 1100, "output_length": 10, "hash_ids": [4, 2, 3]},
         {"timestamp": 12, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]},
     ]
-    reqs = load_mooncake(_write_mooncake(tmp_path / "t.jsonl", rows))
+    reqs = load_hash_trace(_write_mooncake(tmp_path / "t.jsonl", rows))
     keys = [r.key() for r in reqs]
     block = 512 * 4
     # exact sizes: input_length x 4 bytes, the last block partial
@@ -82,13 +90,109 @@ def test_mooncake_bad_lines_are_skipped_and_counted(tmp_path: Path) -> None:
         b"not json\n"
         b'{"timestamp": 1, "input_length": 5000, "output_length": 3, "hash_ids": [0]}\n'
         b'{"timestamp": 2, "output_length": 3, "hash_ids": [0]}\n'
+        b'{"timestamp": 3, "input_length": 10, "output_length": 3, "hash_ids": []}\n'
+        b'{"timestamp": -4, "input_length": 10, "output_length": 3, "hash_ids": [1]}\n'
         b"\n"
     )
     stats = LoadStats()
-    reqs = load_mooncake(p, stats=stats)
-    assert len(reqs) == 1 and stats.kept == 1 and stats.skipped == 3
+    reqs = load_hash_trace(p, stats=stats)
+    assert len(reqs) == 2 and stats.kept == 2 and stats.skipped == 4
+    # 5000 tokens named by one 512-token block: kept at its length, the rest its own text
+    assert stats.mended == 1 and reqs[1].key_len == 5000 * 4
+    assert reqs[1].key()[:40] == reqs[0].key()[:40]
+
+
+def test_hash_segments_take_the_length_over_the_ids() -> None:
+    # more ids than the length fills: the extra ones are dropped
+    segs, mended = hash_segments([1, 2, 3], 100, block_tokens=64)
+    assert mended and [s.n_bytes for s in segs] == [256, 144]
+    # fewer (a trace hashing only whole blocks): the rest is text of its own
+    segs, mended = hash_segments([1, 2], 40, block_tokens=16, tail_seed=99)
+    assert mended and [s.n_bytes for s in segs] == [64, 64, 32] and segs[2].seed == 99
+    segs, mended = hash_segments([1, 2], 30, block_tokens=16)
+    assert not mended and [s.n_bytes for s in segs] == [64, 56]
     with pytest.raises(ValueError):
-        mooncake_segments([1, 2], 100)  # 100 tokens cannot fill two 512-token blocks
+        hash_segments([], 10)
+
+
+def _qwen_rows() -> list[dict]:
+    """Qwen-Bailian-format lines: 16-token blocks, seconds, session keys; a shared system
+    prompt of three blocks, and a second turn that extends the first."""
+    return [
+        {"chat_id": 0, "parent_chat_id": -1, "timestamp": 0.25, "input_length": 70,
+         "output_length": 20, "type": "text", "turn": 1, "hash_ids": [1, 2, 3, 4, 5]},
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 1.5, "input_length": 60,
+         "output_length": 9, "type": "search", "turn": 1, "hash_ids": [1, 2, 3, 6]},
+        {"chat_id": 2, "parent_chat_id": 0, "timestamp": 61.114, "input_length": 130,
+         "output_length": 5, "type": "text", "turn": 2,
+         "hash_ids": [1, 2, 3, 4, 7, 8, 9, 10, 11]},
+    ]  # fmt: skip
+
+
+def test_qwen_bailian_trace_is_read_as_16_token_blocks_in_seconds(tmp_path: Path) -> None:
+    stats = LoadStats()
+    reqs = load_hash_trace(_write_mooncake(tmp_path / "q.jsonl", _qwen_rows()), stats=stats)
+    assert stats.inferred["block_tokens"] == 16 and stats.inferred["time_unit"] == "s"
+    assert [r.arrival for r in reqs] == [0.25, 1.5, 61.114]
+    assert [r.key_len for r in reqs] == [280, 240, 520] and stats.mended == 0
+    k0, k1, k2 = (r.key() for r in reqs)
+    block = 16 * 4
+    # three shared ids: three shared 16-token blocks, then different text
+    assert 3 * block <= _common_prefix(k0, k1) < 3 * block + 8
+    # the second turn shares four whole blocks with the first (id 5 was its partial last)
+    assert 4 * block <= _common_prefix(k0, k2) < 4 * block + 8
+    # read as Mooncake's 512-token blocks in milliseconds, every line would be lost: given
+    # explicitly, the reader obeys (and mends)
+    forced = LoadStats()
+    reqs = load_hash_trace(tmp_path / "q.jsonl", block_tokens=512, time_unit="ms", stats=forced)
+    assert forced.mended == 3 and reqs[2].arrival == pytest.approx(0.061114)
+    with pytest.raises(ValueError):
+        load_hash_trace(tmp_path / "q.jsonl", time_unit="minutes")
+
+
+def test_block_size_and_time_unit_inference() -> None:
+    # Mooncake's lines: the last block partial
+    assert infer_block_tokens([(6758, 14), (7322, 15), (100, 1)]) == (512, 1.0)
+    # whole blocks hashed only (floor): 16 fits both lines
+    assert infer_block_tokens([(40, 2), (521, 32)])[0] == 16
+    # nothing to tell by (one id each): Mooncake's
+    assert infer_block_tokens([(10, 1), (5000, 1)]) == (512, 0.0)
+    assert infer_time_unit([0, 27482, 30000], session_keys=False) == "ms"
+    assert infer_time_unit([0, 61.114], session_keys=False) == "s"
+    assert infer_time_unit([0, 61], session_keys=True) == "s"
+
+
+def test_trace_files_gzipped_or_not_and_an_empty_one_is_an_error(tmp_path: Path) -> None:
+    plain = _write_mooncake(tmp_path / "q.jsonl", _qwen_rows())
+    packed = tmp_path / "q.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    opts = WorkloadOptions(slo="keep")
+    a, b = build_workload(str(plain), opts), build_workload(str(packed), opts)
+    assert [r.key() for r in a] == [r.key() for r in b] and len(a) == 3
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"not json\n")
+    with pytest.raises(ValueError, match="no requests"):
+        build_workload(str(empty), opts)
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload(str(tmp_path / "trace.parquet"), opts)
+
+
+def test_burstgpt_csv_loads_with_seconds_and_skips_failed_requests(tmp_path: Path) -> None:
+    p = tmp_path / "burst.csv"
+    p.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,472,18,490,Conversation log\n"
+        "45,ChatGPT,1087,0,1087,Conversation log\n"
+        "7.5,GPT-4,120,300,420,API log\n"
+    )
+    stats = LoadStats()
+    reqs = load_csv_trace(p, stats=stats)
+    assert stats.skipped == 1 and [r.arrival for r in reqs] == [0.0, 2.5]
+    assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(472, 18), (120, 300)]
+    no_lengths = tmp_path / "x.csv"
+    no_lengths.write_text("Timestamp,what\n1,2\n")
+    with pytest.raises(ValueError, match="no input column"):
+        load_csv_trace(no_lengths)
 
 
 def test_real_mooncake_trace_loads_with_the_readme_figures() -> None:
@@ -107,7 +211,7 @@ def test_azure_loads_unique_prompts(tmp_path: Path) -> None:
         "garbage,1,2\n"
     )
     stats = LoadStats()
-    reqs = load_azure(p, stats=stats)
+    reqs = load_csv_trace(p, stats=stats)
     assert len(reqs) == 2 and stats.skipped == 1
     assert reqs[0].arrival == 0.0 and reqs[1].arrival == pytest.approx(4.314579, abs=1e-6)
     a, b = reqs[0].key(), reqs[1].key()
