@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -148,6 +149,21 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
         help="prefill/decode disaggregation: engines by role in order, e.g. prefill:4,decode:4 "
         "(their sum is the engine count; default: every engine both)",
     )
+    g.add_argument(
+        "--speeds",
+        type=parse_speeds,
+        default=None,
+        metavar="FACTOR:N,...",
+        help="a mixed fleet: engines by time factor in order, e.g. 1:8,2:8 (8 at the profile's "
+        "speed, 8 taking twice as long; their sum is the engine count)",
+    )
+    g.add_argument(
+        "--announce",
+        choices=("same", "true"),
+        default="same",
+        help="what engines off the profile's speed announce: same (the profile: the router "
+        "finds their speed online, as with a mis-profiled engine) or true (PROFILE@xFACTOR)",
+    )
     g.add_argument("--kv-link-gbps", type=float, default=100.0, help="KV link, Gb/s")
     g.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV size per token")
 
@@ -162,6 +178,25 @@ def parse_roles(spec: str) -> tuple[str, ...]:
         out += [role] * int(n)
     if not out:
         raise argparse.ArgumentTypeError("--roles: no engine")
+    return tuple(out)
+
+
+def parse_speeds(spec: str) -> tuple[float, ...]:
+    """``1:8,2:8`` -> each engine's time factor, in order."""
+    out: list[float] = []
+    for part in spec.split(","):
+        factor, _, n = part.strip().partition(":")
+        try:
+            f = float(factor)
+        except ValueError:
+            f = math.nan
+        if not (math.isfinite(f) and f > 0) or not n.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--speeds {spec!r}: expected FACTOR:N,... with positive factors"
+            )
+        out += [f] * int(n)
+    if not out:
+        raise argparse.ArgumentTypeError("--speeds: no engine")
     return tuple(out)
 
 
@@ -348,9 +383,15 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
     from bench.sim.world import LinkConfig
 
     roles = getattr(args, "roles", None)
+    speeds = getattr(args, "speeds", None)
+    sized = roles or speeds
+    if roles and speeds and len(roles) != len(speeds):
+        raise ValueError(f"--roles names {len(roles)} engines and --speeds {len(speeds)}")
     return SimConfig(
-        engines=len(roles) if roles else args.engines,
+        engines=len(sized) if sized else args.engines,
         roles=roles,
+        speeds=speeds,
+        slow_announce=getattr(args, "announce", "same"),
         kv_link_gbps=getattr(args, "kv_link_gbps", 100.0),
         kv_bytes_per_token=getattr(args, "kv_bytes_per_token", 131_072),
         profile=args.profile,
@@ -393,6 +434,9 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 def _run_fidelity(args: argparse.Namespace) -> int:
     from bench.fidelity import FidelitySpec, run_fidelity
+
+    if getattr(args, "speeds", None):
+        raise ValueError("--speeds: the live engines of a fidelity run all run the profile")
 
     spec = FidelitySpec(
         workload=args.workload,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 from kvgate import native
 from kvgate.cli import main
@@ -62,10 +63,27 @@ def test_sim_replays_a_qwen_bailian_format_trace(tmp_path: Path, caplog) -> None
     assert "read as 16-token hash blocks" in caplog.text
 
 
+def test_sim_runs_a_mixed_fleet_from_the_command_line(tmp_path: Path) -> None:
+    """``--speeds 1:2,3:2``: two engines at the profile's speed, two taking 3x as long (and
+    announcing the profile, so the router must find them out); e2 sends the slow ones less."""
+    out = tmp_path / "mixed.json"
+    rc = main(["bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "30",
+               "--speeds", "1:2,3:2", "--policies", "e2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = orjson.loads(out.read_bytes())
+    assert doc["world"]["speeds"] == [1.0, 1.0, 3.0, 3.0]
+    per = doc["runs"][0]["summary"]["per_engine_requests"]
+    assert len(per) == 4 and per["e00"] + per["e01"] > 1.5 * (per["e02"] + per["e03"])
+
+
 def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     assert main(["bench", "report", "--inputs", str(tmp_path / "missing.json")]) == 2
     rc = main(["bench", "sim", "--trace", "nope", "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "unknown workload" in capsys.readouterr().err
+    for bad in ("2:x", "0:4", "fast:2", ""):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "sim", "--trace", "tool_use", "--speeds", bad])
+        assert exit_.value.code == 2 and "--speeds" in capsys.readouterr().err
     junk = tmp_path / "junk.jsonl"
     junk.write_bytes(b"not json\n")
     rc = main(["bench", "sim", "--trace", str(junk), "--out", str(tmp_path / "x.json")])
