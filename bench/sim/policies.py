@@ -27,6 +27,7 @@ ALIASES: dict[str, str] = {
     "e2-no-rebalance": "e2[rebalance=false]",
     "e2-early-rebalance": "e2[significant_warmup=true]",
     "e2-band-moves-only": "e2[follow_spare=false]",
+    "e2-no-spare-replica": "e2[replicate_to_spare=false]",
     "e2-admission": "e2[shed_expected=true]",
 }
 

@@ -212,3 +212,28 @@ def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_tt
         assert cluster.engines["e00"].speed.prefill == pytest.approx(1.0, rel=0.1)
     else:
         assert fitted == 1.0  # nothing to learn from
+
+
+def test_a_flash_crowd_of_one_system_prompt_spreads_over_idle_engines() -> None:
+    """Every request shares one 2,000-token system prompt (programming), 8 engines at light
+    load: priced for its first request alone, a copy of the prompt on an idle engine came only
+    once the holders' queues cost as much, so the first 48 requests met 3 engines and the tail
+    waited behind their decode batches. With a hot prefix's request sent to a spare engine
+    that copies it (``replicate_to_spare``), more engines serve from the start and the p99
+    drops."""
+    from bench.workloads import build_workload
+
+    opts = WorkloadOptions(rate=6.0, duration=40.0, seed=0, slo="scaled:5:100")
+    reqs = build_workload("programming", opts)
+
+    def run(policy: str) -> tuple[int, float]:
+        records: list = []
+        run_one(reqs, policy, "slo", SimConfig(engines=8, seed=0), records=records)
+        records.sort(key=lambda r: r.arrival)
+        ttfts = sorted(r.ttft_s for r in records if r.ttft_s is not None)
+        return len({r.engine for r in records[:48]}), ttfts[int(0.99 * len(ttfts))]
+
+    spread_on, p99_on = run("e2")
+    spread_off, p99_off = run("e2[replicate_to_spare=false]")
+    assert spread_on > spread_off
+    assert p99_on < 0.8 * p99_off

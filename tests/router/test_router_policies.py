@@ -867,6 +867,47 @@ def test_e2_follows_a_move_to_an_engine_with_room_to_spare_as_an_investment() ->
     assert make_policy("e2", REBALANCE).choose(ctx(group=1), view, 0.0).engine_id == "a"
 
 
+def test_e2_replicates_a_hot_prefix_to_a_spare_engine_when_its_requests_repay_the_copy() -> None:
+    """A flash crowd of one system prompt: the cost alone keeps every request on the prompt's
+    first holders until their queues cost as much as prefilling it elsewhere, and the other
+    engines idle (programming on 16 engines at half the knee: 5 engines of 16 served the first
+    128 requests, p99 TTFT 1.3x round robin's). Where the prompt is held by two engines or more
+    and is the heaviest group on the best of them, an engine with room to spare takes a copy
+    when the requests of the prompt expected while the best holder's queue lasts repay it."""
+    held = {"a": 39_000, "b": 39_000}  # two holders of most of the key (10k tokens)
+
+    def holder(engine_id: str, rate: float, group: int = 1) -> EngineView:
+        busy = ev(engine_id, hb=_hb(queued=4_000))  # ~0.5 s of prefill queued
+        return replace(busy, rate_per_s=rate, window_requests=20)
+
+    def view(rate: float, heaviest: int = 1, matched: dict | None = None) -> FakeView:
+        groups = {e: [GroupLoad(heaviest, 500.0, 20), GroupLoad(1, 100.0, 5)] for e in "ab"}
+        if heaviest == 1:
+            groups = {e: [GroupLoad(1, 500.0, 20)] for e in "ab"}
+        return FakeView(
+            [holder("a", rate), holder("b", rate), ev("c")],
+            matched=matched or held,
+            groups=groups,
+        )
+
+    e2 = make_policy("e2")
+    d = e2.choose(ctx(group=1), view(rate=10.0), 0.0)
+    assert (d.engine_id, d.reason) == ("c", "replicate")
+    # the prompt's requests come too rarely to repay the copy (one a second here)
+    assert e2.choose(ctx(group=1), view(rate=1.0), 0.0).engine_id in ("a", "b")
+    # held by one engine only: not yet shown to need more than one copy
+    one = view(rate=10.0, matched={"a": 39_000})
+    assert e2.choose(ctx(group=1), one, 0.0).engine_id == "a"
+    # not the heaviest group on its holders: they are busy with other work
+    assert e2.choose(ctx(group=1), view(rate=10.0, heaviest=7), 0.0).engine_id in ("a", "b")
+    # an engine with prefill queued is not spare
+    queued = view(rate=10.0)
+    queued.engines[2] = replace(ev("c", hb=_hb(queued=500)), position=2)
+    assert make_policy("e2").choose(ctx(group=1), queued, 0.0).engine_id in ("a", "b")
+    off = make_policy("e2", {"replicate_to_spare": False})
+    assert off.choose(ctx(group=1), view(rate=10.0), 0.0).engine_id in ("a", "b")
+
+
 def test_an_engine_has_room_to_spare_only_with_nothing_queued_and_both_phases_under_half() -> None:
     def spare(engine: EngineView) -> bool:
         view = FakeView([engine])
