@@ -537,21 +537,28 @@ class E2(PolicyBase):
         costs no walk over it."""
         matched = view.matched
         most = max(matched.values(), default=0)
-        # held where block events show it, not only where it was routed and is still computed
-        holders = sum(1 for m in view.confirmed.values() if m >= most)
-        if most <= 0 or holders < 2:
+        if most <= 0:
+            return None
+        candidates = [
+            ev
+            for ev in islice(view.by_load(), REBALANCE_TARGETS)
+            if matched.get(ev.engine_id, 0) < most
+        ]
+        if not candidates:
             return None
         best = min(finalists, key=_cost)
         hot = next(iter(view.groups_on(best.ev.engine_id)), None)
         if hot is None or hot.group != ctx.group:
             return None
+        # held where block events show it, not only where it was routed and is still computed
+        holders = sum(1 for m in view.confirmed.values() if m >= most)
+        if holders < 2:
+            return None
         share = hot.requests / max(best.ev.window_requests, hot.requests, 1)
         expected = recent_rate(best.ev, now) * share * holders * best.est.ttft_ms / 1000.0
         cfg = self.config
-        for ev in islice(view.by_load(), REBALANCE_TARGETS):
+        for ev in candidates:
             eid = ev.engine_id
-            if matched.get(eid, 0) >= most:
-                continue
             est = estimate(ev, ctx, most, view, now, self._p_cache, most)
             if not (est.tpot_ok and est.spare()):
                 continue
