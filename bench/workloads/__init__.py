@@ -173,9 +173,10 @@ def build_workload(
         reqs = WORKLOADS[name](opts)
     else:
         path = Path(name)
-        if trace_format(name) == "jsonl":
+        fmt = trace_format(name)
+        if fmt == "jsonl":
             kind, reqs = "mooncake", _mooncake(opts, path)
-        elif trace_format(name) == "csv":
+        elif fmt == "csv":
             kind, reqs = "azure", _azure(opts, path)
         else:
             known = ", ".join(WORKLOADS)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import csv
 import gzip
-import hashlib
 import importlib.resources
 import io
 import logging
@@ -93,13 +92,6 @@ class LoadStats:
             self.reasons.append(f"line {line_no}: {why}")
 
 
-def _block_seed(hid: int) -> int:
-    """``content_seed("mooncake", hid)``, computed without building the name part by part:
-    a Qwen-Bailian trace has millions of distinct 16-token blocks."""
-    digest = hashlib.blake2b(b"mooncake:%d" % hid, digest_size=8).digest()
-    return int.from_bytes(digest) >> 1
-
-
 def hash_segments(
     hash_ids: list[int],
     input_tokens: int,
@@ -129,7 +121,7 @@ def hash_segments(
     for hid in ids:
         seg = cache.get(hid)
         if seg is None:
-            seg = cache[hid] = Segment(_block_seed(hid), full)
+            seg = cache[hid] = Segment(content_seed("mooncake", hid), full)
         out.append(seg)
     last = min(block_tokens, input_tokens - block_tokens * (len(ids) - 1))
     if last < block_tokens:

@@ -558,23 +558,38 @@ class E2(PolicyBase):
         expected = recent_rate(best.ev, now) * share * holders * best.est.ttft_ms / 1000.0
         cfg = self.config
         for ev in candidates:
-            eid = ev.engine_id
-            est = estimate(ev, ctx, most, view, now, self._p_cache, most)
-            if not (est.tpot_ok and est.spare()):
+            as_holder = self._spare_as_holder(ev, ctx, view, now, most)
+            if as_holder is None:
                 continue
-            as_holder = _Scored(ev, est, most, cfg.work_weight, False)
             gain = best.cost - as_holder.cost
             if gain <= cfg.tie_rel * as_holder.cost + cfg.tie_ms:
                 continue
-            real = estimate(
-                ev, ctx, matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
-            )
-            copy = _Scored(ev, real, real.credited, cfg.work_weight, False)
-            if cfg.eviction_term:
-                self._price_eviction(copy, ctx, view, now)
-            if real.tpot_ok and copy.cost - best.cost <= expected * gain:
+            copy = self._copy(ev, ctx, view, now)
+            if copy.est.tpot_ok and copy.cost - best.cost <= expected * gain:
                 return ev
         return None
+
+    def _spare_as_holder(
+        self, ev: EngineView, ctx: RequestContext, view: ClusterView, now: float, held: int
+    ) -> _Scored | None:
+        """``ev`` scored as if it held the first ``held`` bytes of the key, or None unless it
+        has room to spare (:meth:`Estimate.spare`) and meets the TPOT SLO there."""
+        est = estimate(ev, ctx, held, view, now, self._p_cache, held)
+        if not (est.tpot_ok and est.spare()):
+            return None
+        return _Scored(ev, est, held, self.config.work_weight, False)
+
+    def _copy(self, ev: EngineView, ctx: RequestContext, view: ClusterView, now: float) -> _Scored:
+        """``ev`` scored as it is, so copying the part of the key it lacks: its own match, and
+        the eviction term where fitting the key evicts."""
+        eid = ev.engine_id
+        real = estimate(
+            ev, ctx, view.matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
+        )
+        copy = _Scored(ev, real, real.credited, self.config.work_weight, False)
+        if self.config.eviction_term:
+            self._price_eviction(copy, ctx, view, now)
+        return copy
 
     def _worth_investing(
         self,
@@ -591,22 +606,14 @@ class E2(PolicyBase):
         band's share of its TTFT SLO (a delay the SLO cannot tell from a prediction's error): a
         long document's copy costs seconds, and on arrival-order engines such moves made the
         tail requests."""
-        held = max(view.matched.values(), default=0)
-        est = estimate(ev, ctx, held, view, now, self._p_cache, held)
-        if not (est.tpot_ok and est.spare()):
+        as_holder = self._spare_as_holder(ev, ctx, view, now, max(view.matched.values(), default=0))
+        if as_holder is None:
             return False
         cfg = self.config
-        as_holder = _Scored(ev, est, held, cfg.work_weight, False)
         best = min(finalists, key=_cost)
         if as_holder.cost > best.cost + cfg.tie_rel * best.cost + cfg.tie_ms:
             return False
-        eid = ev.engine_id
-        real = estimate(
-            ev, ctx, view.matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
-        )
-        copy = _Scored(ev, real, real.credited, cfg.work_weight, False)
-        if cfg.eviction_term:
-            self._price_eviction(copy, ctx, view, now)
+        copy = self._copy(ev, ctx, view, now)
         return copy.cost - as_holder.cost <= cfg.tie_rel * ctx.request.slo.ttft_ms + cfg.tie_ms
 
     def rebalance(self, ctx: RequestContext, view: ClusterView, now: float) -> tuple[Move, ...]:

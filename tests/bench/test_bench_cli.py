@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import orjson
@@ -42,6 +43,7 @@ def test_sim_replays_a_qwen_bailian_format_trace(tmp_path: Path, caplog) -> None
     """A hash-id trace of 16-token blocks and seconds (Qwen-Bailian's format) replays as it is:
     read as Mooncake's 512-token blocks and milliseconds, every line was skipped and the run
     crashed on an empty workload."""
+    caplog.set_level(logging.WARNING)  # (whatever level an earlier test left the root at)
     trace = tmp_path / "qwen_trace.jsonl"
     rows = []
     for i in range(60):  # 3 system prompts of 4 blocks, a question of 2-3 blocks each
