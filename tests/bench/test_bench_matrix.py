@@ -173,6 +173,9 @@ def test_verdict_judges_cells_geomeans_spread_and_seeds() -> None:
         ],
     }
     v = verdict(SLICE, _doc([good]))
+    assert v["p99_all_vs_cache_aware"] == {
+        "subject_only": 0, "other_only": 0, "both": 1, "both_geomean_gain": 1.5, "neither": 0,
+    }  # fmt: skip
     assert v["passed"] == {
         "every_cell": True,
         "geomean_vs_cache_aware": True,  # 1000 / 1500
@@ -261,6 +264,13 @@ def test_cells_are_judged_on_the_p99_of_all_requests() -> None:
     v = verdict(SLICE, _doc([serves_all]))
     assert v["passed"]["every_cell"], v
     assert len(v["cells_p99_of_served_over_1_1x"]) == 1  # still on the record
+    # the geomean against round robin reads the p99 of served requests (1000 / 1900); the
+    # tally of the p99 of all requests says who answered 99%
+    assert v["geomean_p99_gain_vs_round_robin_below_90"] == pytest.approx(1000 / 1900, abs=1e-4)
+    assert v["p99_all_vs_round_robin_below_90"] == {
+        "subject_only": 1, "other_only": 0, "both": 0, "both_geomean_gain": None, "neither": 0,
+    }  # fmt: skip
+    assert "only e2 answers 99% in 1 cells, only round_robin in 0" in format_verdict(v)
     refuses = {
         "rate": 1.0,
         "runs": [_run("e2", 0.99, 900.0, p99_all=None), _run("round_robin", 0.99, 1000.0)],
