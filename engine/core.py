@@ -373,6 +373,21 @@ class EngineCore(SchedBook):
         tokens = matched_blocks * self.profile.block_bytes * req.input_tokens // len(req.key)
         return min(tokens, req.input_tokens - 1)
 
+    def _commit_chunks(self, st: ReqState, now: float) -> None:
+        """Cache the key blocks ``st``'s prefill chunks have computed so far (its cached prefix
+        and what it prefilled since): a request admitted after this chunk reuses them, as in
+        vLLM, which caches a chunk's full blocks when it schedules it. (Cached only when the
+        whole prompt was, a follower admitted while a long document was still prefilling
+        recomputed all of it beside its first request.)"""
+        req = st.req
+        if not req.key or req.input_tokens <= 0:
+            return
+        done_tokens = st.cached_tokens + st.prefilled
+        blocks = done_tokens * len(req.key) // req.input_tokens // self.profile.block_bytes
+        if blocks > 0:
+            self.cache.commit(st.request_id, req.key, now, upto=blocks)
+            self._events.extend(self.cache.drain_events())
+
     def _push_output(self, out: Output, now: float) -> None:
         self._pending.append(out)
         if self._pending_at is None:
@@ -453,8 +468,10 @@ class EngineCore(SchedBook):
                 work = self._prefill_work[st.request_id] = [0.0, 0.0]
             work[0] += unit.total_ms
             work[1] += unit_tokens
-            if st.remaining_prefill > 0:
-                continue  # chunked: more chunks to come
+            if st.remaining_prefill > 0:  # chunked: more chunks to come
+                if self.policy.caches_chunks:
+                    self._commit_chunks(st, t)
+                continue
             self.prefilling.remove(st)
             self.cache.commit(st.request_id, st.req.key, t)
             self._events.extend(self.cache.drain_events())

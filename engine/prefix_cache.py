@@ -10,7 +10,8 @@ room is reserved for its uncached key blocks plus its *private* blocks (output t
 tail that is not a full key block). Reserving everything up front is conservative (vLLM allocates
 lazily and preempts when memory runs out) but means a decoding request is never evicted.
 When its prefill completes the request :meth:`commit` s its key blocks into the cache (a
-:class:`~broker.events.BlockStored` for the newly stored chain); on finish it :meth:`release` s
+:class:`~broker.events.BlockStored` for the newly stored chain; under a scheduler that caches
+chunks, each chunk's blocks as it completes, as vLLM and SGLang do); on finish it :meth:`release` s
 them: they stay cached, unpinned, until LRU eviction (a :class:`~broker.events.BlockRemoved`)
 makes room. Only unpinned leaves are evicted, so a cached block's parent is always cached.
 
@@ -141,16 +142,18 @@ class PrefixCache:
         self.hits_bytes += matched * self.block_bytes
         return matched
 
-    def commit(self, request_id: str, key: bytes, now: float) -> None:
-        """Store the request's key blocks (its prefill computed them); emits BlockStored."""
+    def commit(self, request_id: str, key: bytes, now: float, upto: int | None = None) -> None:
+        """Store the request's key blocks (its prefill computed them), or only its first
+        ``upto`` (a chunk of its prefill computed them: the rest follow); emits BlockStored."""
         alloc = self._alloc(request_id)
         hashes = alloc.hashes
-        self._track(hashes[alloc.pinned :], -1)
+        end = len(hashes) if upto is None else min(max(upto, alloc.pinned), len(hashes))
+        self._track(hashes[alloc.pinned : end], -1)
         parent = hashes[alloc.pinned - 1] if alloc.pinned else None
         new_hashes: list[int] = []
         new_blocks: list[bytes] = []
         chain_parent = parent
-        for i in range(alloc.pinned, len(hashes)):
+        for i in range(alloc.pinned, end):
             h = hashes[i]
             node = self._nodes.get(h)
             if node is None:
@@ -173,7 +176,7 @@ class PrefixCache:
             self._reserved -= 1
             self._pin(h, now)
             parent = h
-        alloc.pinned = len(hashes)
+        alloc.pinned = end
         if new_hashes:
             self._events.append(BlockStored(chain_parent, tuple(new_hashes), tuple(new_blocks)))
 

@@ -88,6 +88,9 @@ class Policy(Protocol):
 
     name: str
     queue_order: str
+    # whether a prompt's blocks are cached chunk by chunk as its prefill computes them (vLLM,
+    # SGLang) or only once the whole prefill is done
+    caches_chunks: bool
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         """Why ``st`` is refused at once, or None to queue it."""

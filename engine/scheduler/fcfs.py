@@ -15,6 +15,7 @@ from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
 class FcfsPolicy:
     name = "fcfs"
     queue_order = "arrival"
+    caches_chunks = True  # (vLLM caches a chunk's full blocks when it schedules it)
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         return None

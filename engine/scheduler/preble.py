@@ -38,6 +38,7 @@ class PreblePolicy:
     # by cache-hit group, first come first served within each; nothing is due sooner or
     # rejected for its SLO, so to a router it is an arrival-order queue
     queue_order = "arrival"
+    caches_chunks = True  # (SGLang's radix cache keeps a chunked request's computed prefix)
 
     def __init__(self) -> None:
         self.group = GROUPS - 1  # the group being visited

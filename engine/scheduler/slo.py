@@ -63,6 +63,9 @@ Key = tuple[int, float, int]
 class SloPolicy:
     name = "slo"
     queue_order = "deadline"  # S-EDF; a request that can no longer make it is rejected
+    # a prompt's blocks are cached when its prefill completes (a chunk may be preempted and
+    # other prefills overtake it; per-chunk caching not measured on this scheduler yet)
+    caches_chunks = False
 
     # ------------------------------------------------------------------ interface
 

@@ -97,3 +97,22 @@ def test_preble_admits_cache_hits_before_earlier_misses() -> None:
     run_until(c, 2000.0)
     started = [e.request_id for e in c.drain_events() if isinstance(e, RequestStarted)]
     assert started == ["hit", "miss"]  # hit: group 9, visited first; miss: group 0
+
+
+@pytest.mark.parametrize(("policy", "cached"), [("fcfs", 2992), ("preble", 2992), ("slo", 3488)])
+def test_a_follower_reuses_the_chunks_a_long_prompt_has_computed(policy: str, cached: int) -> None:
+    """vLLM caches a chunk's full blocks as it computes them (SGLang keeps a chunked request's
+    computed prefix too): a request with the same prompt admitted while the first is still
+    prefilling reuses what is done and computes the rest. Cached only when the whole prompt
+    was, such a follower recomputed a long document beside its first request. kvgate's S-EDF
+    engine caches a prompt when its prefill completes, and holds the follower until then."""
+    c = core(policy, chunked_budget=1000, chunk_tokens=1000)
+    doc = b"d" * 4 * 3500  # 3,500 tokens: chunks of 1,000, 1,000, 1,000 and 500 (1 ms a token)
+    c.submit(req("first", 3500, key=doc), 0.0)
+    assert not first_token_times(run_until(c, 2.5))
+    c.submit(req("follower", 3501, key=doc + b"q2q2", at=2.5), 2.5)
+    outs = run_until(c, 20.0)
+    usage = {o.request_id: o.usage for o in outs if o.usage is not None}
+    # admitted beside the last chunk, the follower finds the first three chunks' whole 16-token
+    # blocks (2,992 tokens; the third ends mid-block); S-EDF's, the whole prompt's (3,488)
+    assert usage["follower"].cached_tokens == cached
