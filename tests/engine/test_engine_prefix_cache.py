@@ -98,3 +98,31 @@ def test_concurrent_requests_storing_the_same_blocks_store_them_once() -> None:
     assert c.evictable_blocks == 0  # y still pins them
     c.release("y", 3.0)
     assert c.evictable_blocks == 2
+
+
+def test_a_prefill_commits_its_chunks_as_one_chain_then_the_rest() -> None:
+    """``commit(upto=n)`` stores the first n key blocks (a chunk of the prefill computed them):
+    another request matches them at once; the final commit stores the rest as the chain's
+    continuation, and a release frees what a cancelled prefill never computed."""
+    c = _cache(10)
+    key = b"aaaabbbbccccdddd"
+    h = c.key_hashes(key)
+    assert c.reserve("r1", h, 0, 1.0) == 0
+    c.commit("r1", key, 1.0, upto=2)
+    assert c.drain_events() == [BlockStored(None, tuple(h[:2]), (b"aaaa", b"bbbb"))]
+    assert c.match(h) == 2
+    c.commit("r1", key, 1.5, upto=1)  # (behind what is stored: nothing)
+    assert c.drain_events() == []
+    c.commit("r1", key, 2.0)
+    assert c.drain_events() == [BlockStored(h[1], tuple(h[2:]), (b"cccc", b"dddd"))]
+    assert c.match(h) == 4
+    c.release("r1", 3.0)
+    assert c.free_blocks == 6
+    # cancelled after one chunk: the computed block stays cached, the reserved rest is freed
+    k2 = b"eeeeffffgggg"
+    h2 = c.key_hashes(k2)
+    assert c.reserve("r2", h2, 1, 4.0) == 0
+    c.commit("r2", k2, 4.0, upto=1)
+    c.release("r2", 5.0)
+    assert c.match(h2) == 1
+    assert c.free_blocks == 5
