@@ -539,13 +539,8 @@ class E2(PolicyBase):
         most = max(matched.values(), default=0)
         if most <= 0:
             return None
-        candidates = [
-            ev
-            for ev in islice(view.by_load(), REBALANCE_TARGETS)
-            if matched.get(ev.engine_id, 0) < most
-        ]
-        if not candidates:
-            return None
+        # (the refusals that read least first: most requests are not of the best engine's
+        # heaviest group, and they skip the walk over the least loaded engines)
         best = min(finalists, key=_cost)
         hot = next(iter(view.groups_on(best.ev.engine_id)), None)
         if hot is None or hot.group != ctx.group:
@@ -553,6 +548,13 @@ class E2(PolicyBase):
         # held where block events show it, not only where it was routed and is still computed
         holders = sum(1 for m in view.confirmed.values() if m >= most)
         if holders < 2:
+            return None
+        candidates = [
+            ev
+            for ev in islice(view.by_load(), REBALANCE_TARGETS)
+            if matched.get(ev.engine_id, 0) < most
+        ]
+        if not candidates:
             return None
         share = hot.requests / max(best.ev.window_requests, hot.requests, 1)
         expected = recent_rate(best.ev, now) * share * holders * best.est.ttft_ms / 1000.0
