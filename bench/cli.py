@@ -273,6 +273,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", type=_names, default=None, help="homo, hetero")
     p.add_argument("--rates", type=_floats, default=None, help="multiples of the knee")
     p.add_argument("--seeds", type=_names, default=None, help="e.g. 0,1,2 (knee from the first)")
+    p.add_argument(
+        "--workload-seed",
+        type=int,
+        default=None,
+        help="draw the synthetic workloads' requests with this seed (default 0; the traces "
+        "are fixed): another draw of the same workloads, to check a result is not one draw's",
+    )
     p.add_argument("--requests-per-engine", type=int, default=None)
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument("--max-requests", type=int, default=None)
@@ -482,6 +489,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
         "profile",
         "scheduler",
         "reporting",
+        "workload_seed",
     ):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)

@@ -431,7 +431,10 @@ def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, in
     """The knees of an earlier matrix document, by (workload, fleet, kind): a rerun of changed
     policies can skip calibration (round robin's knee does not depend on them). With ``spec``,
     only from a document on the same engines (scheduler, profile and what it says, slowness)
-    whose cells spanned as long (``min_window_s``: round robin's knee moves with it)."""
+    whose cells spanned as long (``min_window_s``: round robin's knee moves with it). From a
+    document drawn with another ``workload_seed`` the knees are taken as rates (the same
+    workload's other draws load a fleet alike) without their baseline run, which was of other
+    requests."""
     doc = orjson.loads(path.read_bytes())
     if doc.get("kind") != "kvgate-matrix":
         raise ValueError(f"{path}: not a kvgate-matrix document")
@@ -450,7 +453,13 @@ def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, in
                 f"{path}: its knees are for another version of profile {spec.profile!r} "
                 f"(profile_digest {digest!r}; the profile's curve changed since)"
             )
-    return {(e["workload"], e["fleet"], e["kind"]): e["knee"] for e in doc["combos"]}
+    knees = {(e["workload"], e["fleet"], e["kind"]): e["knee"] for e in doc["combos"]}
+    if spec is not None and (doc.get("spec") or {}).get("workload_seed", 0) != spec.workload_seed:
+        knees = {
+            combo: {k: v for k, v in knee.items() if k != "baseline_run"}
+            for combo, knee in knees.items()
+        }
+    return knees
 
 
 def run_matrix(
@@ -512,8 +521,9 @@ def run_matrix(
                                     policy == spec.baseline
                                     and rate == 1.0
                                     and seed == spec.seeds[0]
-                                    # a knee from an older file lacks the newest figure: rerun
-                                    and "ttft_p99_all_ms" in knee["baseline_run"]
+                                    # a knee from an older file lacks the newest figure, and
+                                    # one from other requests (workload_seed) has none: rerun
+                                    and "ttft_p99_all_ms" in knee.get("baseline_run", {})
                                 ):
                                     st["runs"][key] = knee["baseline_run"]
                                     st["left"] -= 1

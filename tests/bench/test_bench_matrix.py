@@ -91,6 +91,36 @@ def test_knees_are_reused_only_on_the_same_engines(slice_doc: dict, tmp_path: Pa
     assert profile_digest("mistral-7b-a6000@x2") != profile_digest("mistral-7b-a6000")
 
 
+def test_knees_from_another_draw_keep_the_rate_not_the_baseline_run(
+    slice_doc: dict, tmp_path: Path
+) -> None:
+    """Another draw of the same workloads (``workload_seed``) takes the knees as rates; the
+    knee's round robin run was of other requests, so the x1 cell runs round robin again, on
+    this draw's requests."""
+    path = tmp_path / "slice.json"
+    path.write_bytes(orjson.dumps(slice_doc))
+    same = load_knees(path, SLICE)
+    assert all("baseline_run" in knee for knee in same.values())
+    spec = replace(
+        SLICE,
+        workloads=("tool_use",),
+        kinds=("homo",),
+        rates=(1.0,),
+        policies=("round_robin",),
+        workload_seed=1,
+    )
+    other = load_knees(path, spec)
+    assert set(other) == set(same)
+    for combo, knee in other.items():
+        assert "baseline_run" not in knee
+        assert knee["scale"] == same[combo]["scale"]
+    doc = run_matrix(spec, jobs=1, knees=other, log=lambda line: None)
+    (run,) = doc["combos"][0]["cells"][0]["runs"]
+    old = same[("tool_use", 4, "homo")]["baseline_run"]
+    assert run["scale"] == old["scale"]
+    assert run != old  # other requests, run afresh
+
+
 def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:
     """At the knee round robin is below the target; at the largest probed rate under it, not."""
     for entry in slice_doc["combos"]:
