@@ -403,6 +403,7 @@ class Cluster(ClusterState):
             deadline=deadline,
             tpot_slo_ms=req.slo.tpot_ms,
             idle_prefill_ms=p.prefill_ms(missed, cached) if idle else 0.0,
+            matched_bytes=mine,
         )
         own_s = p.prefill_ms(missed, cached) * eng.speed.prefill / 1e3
         # an engine that sends no request events (a plain vLLM behind the bridge) never says

@@ -34,6 +34,9 @@ class _Inflight:
     # its prefill time on the engine's profile when it found nothing ahead of it there (its
     # TTFT then shows the engine's prefill speed, for engines that do not report it); else 0
     idle_prefill_ms: float = 0.0
+    # key bytes counted as cached there when it was routed (the router's entries included):
+    # it prefills the rest of its key, unless another request computes it first
+    matched_bytes: int = 0
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class _Inflight:
         first_at: float = 0.0,
         engine_tokens: int = 0,
         idle_prefill_ms: float = 0.0,
+        matched_bytes: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.t = t
@@ -68,6 +72,7 @@ class _Inflight:
         self.first_at = first_at
         self.engine_tokens = engine_tokens
         self.idle_prefill_ms = idle_prefill_ms
+        self.matched_bytes = matched_bytes
 
 
 class _GroupWork:

@@ -136,6 +136,11 @@ class Speculative:
             self._pop()
         return self._seq
 
+    def key_of(self, handle: int) -> bytes | None:
+        """The key of live entry ``handle`` (None: expired or never added)."""
+        entry = self._live.get(handle)
+        return entry[2] if entry is not None else None
+
     def settle(self, handle: int, grace: float, now: float) -> None:
         """Bring entry ``handle``'s expiry forward to ``now + grace`` (never later)."""
         entry = self._live.get(handle)

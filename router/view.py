@@ -9,6 +9,7 @@ from kvgate.cost_model import CostProfile
 from router.cluster_state import ClusterState
 from router.engine_state import _Engine, _GroupWork
 from router.policies.base import EngineView, GroupLoad, Rng
+from router.tree import lcp_at
 
 
 class View:
@@ -188,6 +189,44 @@ class View:
                 tokens_run += tokens
                 run_ms = prof.prefill_ms(tokens_run) * scale
         return ahead_ms, behind, run_ms
+
+    def routed_ahead(self, ev: EngineView, key: bytes, deadline: float, since: int) -> int:
+        """The longest prefix of ``key`` that a request the router sent to ``ev`` computes
+        before a request due at ``deadline`` starts there, in whole blocks, counting only the
+        requests that compute it from at most ``since`` bytes (what is cached there for this
+        one): one past its prefill (its blocks are written, perhaps not yet announced), or one
+        queued due no later that can still make its deadline (S-EDF runs it first). A request
+        that was itself routed on a longer match waits for another to compute that part, and
+        a request due later, or one the engine will reject, does not compute it first. (The
+        speculative tree answers which engine a key was routed to, not by whom: this asks the
+        requests in flight there.)"""
+        cl = self._cluster
+        eng = cl.engines.get(ev.engine_id)
+        if eng is None:
+            return 0
+        now = self._now
+        spec = cl.spec
+        inflight = cl._inflight
+        fifo = ev.arrival_order
+        computing = [
+            request_id
+            for request_id, (due, _, prefill_s, _) in eng.open_prefill.items()
+            if fifo or (due <= deadline and due - now >= prefill_s)
+        ]
+        n = len(key)
+        best = 0
+        for request_id in (*eng.decoding, *computing):
+            rec = inflight.get(request_id)
+            if rec is None or rec.matched_bytes > since:
+                continue
+            other = spec.key_of(rec.spec)
+            if other is not None:
+                m = min(n, len(other))
+                if m > best:
+                    k = lcp_at(other, 0, key, 0, m)
+                    if k > best:
+                        best = k
+        return best - best % eng.profile.block_bytes
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         """How long until ``count`` of the router's requests decoding on ``ev`` have finished

@@ -297,6 +297,14 @@ class ClusterView(Protocol):
         ``share`` of the GPU, and the engine rejects it)."""
         ...
 
+    def routed_ahead(self, ev: EngineView, key: bytes, deadline: float, since: int) -> int:
+        """How many leading bytes of ``key`` (whole blocks of ``ev``'s profile) the requests
+        the router sent to ``ev`` compute, from at most ``since`` bytes on, before a request
+        due at ``deadline`` would start there: those past their prefill, and those queued due
+        no later that can still make their deadline (S-EDF runs them first; the engine
+        prefills a shared prefix once)."""
+        ...
+
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         """How long until ``count`` of the router's requests decoding on ``ev`` have finished
         (each frees room in SCORPIO's VBS admission), from their remaining output tokens at the

@@ -357,8 +357,10 @@ def estimate(
     """When ``ctx``'s request would get its first token on ``ev`` (see the module docstring).
     ``matched`` includes the router's speculative entries, ``confirmed`` not (None: the same):
     a routed key is cached only once its request's prefill is done, so the speculative part
-    counts only when this request queues behind every open one there (none is due later); a
-    request due earlier overtakes them (S-EDF) and prefills the prefix itself."""
+    counts only as far as a request there computes it before this one starts
+    (:meth:`ClusterView.routed_ahead <router.policies.base.ClusterView.routed_ahead>`; all of
+    it when none is due later); a request due before the one computing it overtakes it
+    (S-EDF) and prefills the prefix itself."""
     req = ctx.request
     slo = req.slo
     step = decode_step_ms(ev)
@@ -366,10 +368,13 @@ def estimate(
     # which work ahead can still start in time (the TTFT floor's ``runs``) is judged at full
     # speed while nothing decodes yet: shedding is final, so the floor stays optimistic
     runs_share = share if ev.decoding > 0 else 1.0
-    queue, behind, runs = view.prefill_queue(ev, deadline_s(ctx, now), runs_share)
+    deadline = deadline_s(ctx, now)
+    queue, behind, runs = view.prefill_queue(ev, deadline, runs_share)
     routed = matched
     if behind and confirmed is not None and confirmed < matched:
-        matched = confirmed
+        # the routed part is cached for it if a request there computes it first
+        ahead = view.routed_ahead(ev, req.key, deadline, confirmed)
+        matched = confirmed if ahead <= confirmed else min(ahead, matched)
     own = prefill_cost_ms(ev, ctx.key_len, matched, cache)
     # prefilling the routed prefix itself, it spares the open request it overtakes there that
     # prefill (the engine prefills a shared prefix once): the work it adds is what that leaves

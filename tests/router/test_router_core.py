@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -28,7 +29,8 @@ from kvgate.slo import Slo
 from router.api import RouteRequest
 from router.cluster_state import ClusterConfig, _LoadOrder
 from router.core import Router, RouterConfig
-from router.policies.base import Move
+from router.policies.base import Move, RequestContext, prefill_cost_ms
+from router.policies.feasibility import estimate
 from router.speculative import _ExpiryQueue
 from router.view import View
 
@@ -904,6 +906,43 @@ def test_work_ahead_that_cannot_start_in_time_behind_earlier_work_does_not_run()
     assert runs == pytest.approx(prof.prefill_ms(5_000))
     # at half the GPU (a decode batch running) not even the first can make it after nothing
     assert view.prefill_queue(ev, 1.0 + 100.0, share=0.5)[2] == pytest.approx(0.0)
+
+
+def test_a_routed_prefix_counts_as_cached_behind_the_request_computing_it() -> None:
+    """A conversation's next turn arrives while the last one still queues on its engine, with
+    unrelated work due later queued there too. The next turn, due after the last one, starts
+    after it (S-EDF) and finds its prompt cached: the routed prefix is credited. Due before it,
+    the next turn overtakes it and prefills the prefix itself. A queued request that cannot
+    make its deadline is rejected and computes nothing."""
+    f = Fleet(n=1)
+    prof = f.router.cluster.engines["e0"].profile
+    history = bytes(range(256)) * 32  # 8 KiB: the last turn's prompt
+    f.route("turn1", history + b"first question", 1.0, slo=Slo(60_000.0, 1000.0))
+    f.route("bulk", b"z" * 40_000, 1.0, slo=Slo(120_000.0, 1000.0))  # unrelated, due later
+    f.route("doomed", b"y" * 8_000 + b"?", 1.0, slo=Slo(1.0, 1000.0))  # cannot make it
+    # routed on turn1's prompt as if cached, due before turn1: it waits for turn1 to compute
+    # that prompt (the engine prefills a shared prefix once), so it computes none of it
+    f.route("follower", history + b"first question, again", 1.0, slo=Slo(50_000.0, 1000.0))
+    view, ev = _view(f, 1.001)
+    turn2 = history + b"first question" + b" and its answer; a second question"
+    whole = (len(history) + len(b"first question")) // prof.block_bytes * prof.block_bytes
+    assert view.routed_ahead(ev, turn2, 1.0 + 90.0, 0) == whole  # due after turn1
+    assert view.routed_ahead(ev, turn2, 1.0 + 55.0, 0) == 0  # before it, after the follower
+    assert view.routed_ahead(ev, turn2, 1.0 + 30.0, 0) == 0  # due before both
+    assert view.routed_ahead(ev, b"y" * 8_000 + b"!", 1.0 + 90.0, 0) == 0
+    # the estimate: "bulk" is behind the next turn, yet the prefix is computed before it
+    matched = f.router.cluster.match(turn2)[1]["e0"]
+    assert matched == whole
+    ctx = RequestContext(RouteRequest("turn2", "m", turn2, len(turn2) // 4, 50,
+                                      slo=Slo(89_000.0, 1000.0)), len(turn2), 0)  # fmt: skip
+    est = estimate(ev, ctx, matched, view, 1.001, {}, 0)
+    assert est.behind == 1  # "bulk"
+    assert est.credited == whole
+    assert est.own_ms == pytest.approx(prefill_cost_ms(ev, len(turn2), whole, {}))
+    urgent = RequestContext(replace(ctx.request, slo=Slo(29_000.0, 1000.0)), len(turn2), 0)
+    est = estimate(ev, urgent, matched, view, 1.001, {}, 0)
+    assert est.credited == 0  # it prefills the prefix itself (its work does not count it twice)
+    assert est.own_work_ms == pytest.approx(prefill_cost_ms(ev, len(turn2), whole, {}))
 
 
 def test_an_arrival_order_engine_queues_every_open_request_ahead_and_drops_none() -> None:

@@ -87,9 +87,14 @@ class FakeView:
     sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
     rooms: dict[str, int] = field(default_factory=dict)  # cache_room's answer (default: ample)
     asked: list[float] = field(default_factory=list)  # the SLOs share_due_sooner was asked
+    # routed_ahead's answer: key bytes a request in flight there computes first (default none)
+    ahead: dict[str, int] = field(default_factory=dict)
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
+
+    def routed_ahead(self, ev: EngineView, key: bytes, deadline: float, since: int) -> int:
+        return self.ahead.get(ev.engine_id, 0)
 
     @property
     def confirmed(self) -> dict[str, int]:
@@ -308,6 +313,11 @@ def test_a_request_overtaking_the_prefix_it_was_routed_after_prefills_it_once() 
     # where nothing was routed, its work is its whole prefill
     other = estimate(view.engines[1], ctx(), 0, view, 0.0, {}, 0)
     assert other.own_work_ms == other.own_ms == pytest.approx(p_ms(0))
+    # behind the request computing the prefix (due before it), it finds the prefix cached
+    view.ahead = {"a": 8_000}
+    est = estimate(view.engines[0], ctx(), 8_000, view, 0.0, {}, 0)
+    assert est.credited == 8_000
+    assert est.own_ms == est.own_work_ms == pytest.approx(p_ms(8_000))
 
 
 def test_e2_tie_band_prefers_the_holder_then_the_least_loaded() -> None:
