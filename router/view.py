@@ -214,19 +214,26 @@ class View:
             if fifo or (due <= deadline and due - now >= prefill_s)
         ]
         n = len(key)
+        block = eng.profile.block_bytes
+        # what is cached for this request (``since``: whole blocks) and the first block past
+        # it: a key without both adds no whole block, and one memcmp tells most keys apart
+        head = key[: since + block]
+        h = len(head)
+        if h <= since:
+            return 0
         best = 0
         for request_id in (*eng.decoding, *computing):
             rec = inflight.get(request_id)
             if rec is None or rec.matched_bytes > since:
                 continue
             other = spec.key_of(rec.spec)
-            if other is not None:
-                m = min(n, len(other))
-                if m > best:
-                    k = lcp_at(other, 0, key, 0, m)
-                    if k > best:
-                        best = k
-        return best - best % eng.profile.block_bytes
+            if other is None or not other.startswith(head):
+                continue
+            m = min(n, len(other))
+            k = h + lcp_at(other, h, key, h, m - h) if m > h else h
+            if k > best:
+                best = k
+        return best - best % block
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         """How long until ``count`` of the router's requests decoding on ``ev`` have finished
