@@ -220,7 +220,8 @@ def test_a_flash_crowd_of_one_system_prompt_spreads_over_idle_engines() -> None:
     once the holders' queues cost as much, so the first 48 requests met 3 engines and the tail
     waited behind their decode batches. With a hot prefix's request sent to a spare engine
     that copies it (``replicate_to_spare``), more engines serve from the start and the p99
-    drops."""
+    drops (5 engines against 3, 0.41 s against 0.46; 0.37 against 0.54 before the
+    thirty-first session's credit for a routed prefix, docs/router.md)."""
     from bench.workloads import build_workload
 
     opts = WorkloadOptions(rate=6.0, duration=40.0, seed=0, slo="scaled:5:100")
@@ -236,4 +237,4 @@ def test_a_flash_crowd_of_one_system_prompt_spreads_over_idle_engines() -> None:
     spread_on, p99_on = run("e2")
     spread_off, p99_off = run("e2[replicate_to_spare=false]")
     assert spread_on > spread_off
-    assert p99_on < 0.8 * p99_off
+    assert p99_on < 0.95 * p99_off
