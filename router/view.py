@@ -191,15 +191,15 @@ class View:
         return ahead_ms, behind, run_ms
 
     def routed_ahead(self, ev: EngineView, key: bytes, deadline: float, since: int) -> int:
-        """The longest prefix of ``key`` that a request the router sent to ``ev`` computes
-        before a request due at ``deadline`` starts there, in whole blocks, counting only the
-        requests that compute it from at most ``since`` bytes (what is cached there for this
-        one): one past its prefill (its blocks are written, perhaps not yet announced), or one
-        queued due no later that can still make its deadline (S-EDF runs it first). A request
-        that was itself routed on a longer match waits for another to compute that part, and
-        a request due later, or one the engine will reject, does not compute it first. (The
-        speculative tree answers which engine a key was routed to, not by whom: this asks the
-        requests in flight there.)"""
+        """The longest prefix of ``key`` that the requests the router sent to ``ev`` have
+        written or write before a request due at ``deadline`` starts there, in whole blocks:
+        one past its prefill (its blocks are written, perhaps not yet announced), or one queued
+        due no later that can still make its deadline (S-EDF runs it first) and prefills the
+        key from at most ``since`` bytes (what is cached there for this one). A queued request
+        routed on a longer match waits for another to compute that part, and a request due
+        later, or one the engine will reject, does not compute it first. (The speculative tree
+        answers which engine a key was routed to, not by whom: this asks the requests in flight
+        there.)"""
         cl = self._cluster
         eng = cl.engines.get(ev.engine_id)
         if eng is None:
@@ -213,6 +213,7 @@ class View:
             for request_id, (due, _, prefill_s, _) in eng.open_prefill.items()
             if fifo or (due <= deadline and due - now >= prefill_s)
         ]
+        written = len(eng.decoding)
         n = len(key)
         block = eng.profile.block_bytes
         # what is cached for this request (``since``: whole blocks) and the first block past
@@ -222,9 +223,9 @@ class View:
         if h <= since:
             return 0
         best = 0
-        for request_id in (*eng.decoding, *computing):
+        for i, request_id in enumerate((*eng.decoding, *computing)):
             rec = inflight.get(request_id)
-            if rec is None or rec.matched_bytes > since:
+            if rec is None or (i >= written and rec.matched_bytes > since):
                 continue
             other = spec.key_of(rec.spec)
             if other is None or not other.startswith(head):

@@ -23,14 +23,14 @@ engine *when would this request's first token come out there, and what does it c
   profile corrected by its fitted speed (:class:`kvgate.cost_model.SpeedFit`); on an engine
   that serves in arrival order (vLLM's own scheduler, as its heartbeat says) the whole queue
   runs first and nothing overtakes or is dropped. A prefix the
-  router only routed there (no block event yet) counts as cached if a request there computes
-  it before this one starts: one past its prefill, or one queued due sooner that prefills it
-  from what is cached there (not one routed on it itself: that one waits for another); else
-  the request overtakes them and prefills the prefix itself (its TTFT pays for it; its work
-  does not, as the request it overtakes then finds the prefix cached: the engine prefills a
-  shared prefix once). (Counted only where nothing queued there was due later, a
-  conversation's next turn arriving while the last one queued behind unrelated work was
-  priced without its history and sent away from it.)
+  router only routed there (no block event yet) counts as cached if a request there has
+  written it or computes it before this one starts: one past its prefill, or one queued due
+  sooner that prefills it from what is cached there (not one routed on it itself: that one
+  waits for another); else the request overtakes them and prefills the prefix itself (its
+  TTFT pays for it; its work does not, as the request it overtakes then finds the prefix
+  cached: the engine prefills a shared prefix once). (When it counted only where nothing
+  queued there was due later, a conversation's next turn, arriving while the last one queued
+  behind unrelated work, was priced without its history and sent away from it.)
   ``M_i`` is Preble's eviction cost (hit count x miss rate x prefill time of each prefix the
   engine's LRU would evict), each prefix's capped at one prefill: the next request that wants
   it there prefills and caches it again. (Preble's ``L`` and ``M`` both count a 3-minute window;

@@ -943,6 +943,13 @@ def test_a_routed_prefix_counts_as_cached_behind_the_request_computing_it() -> N
     est = estimate(ev, urgent, matched, view, 1.001, {}, 0)
     assert est.credited == 0  # it prefills the prefix itself (its work does not count it twice)
     assert est.own_work_ms == pytest.approx(prefill_cost_ms(ev, len(turn2), whole, {}))
+    # past its prefill, a request's blocks are written, whoever computed its prefix: the
+    # follower's, for a request due before every other
+    follower = history + b"first question, again"
+    f.send("e0", FirstToken("follower", 100.0), 1.1)
+    view, ev = _view(f, 1.1)
+    block = prof.block_bytes
+    assert view.routed_ahead(ev, follower + b"?", 1.0 + 30.0, 0) == len(follower) // block * block
 
 
 def test_an_arrival_order_engine_queues_every_open_request_ahead_and_drops_none() -> None:
