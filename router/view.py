@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from kvgate.cost_model import CostProfile
 from router.cluster_state import ClusterState
@@ -200,32 +200,43 @@ class View:
         later, or one the engine will reject, does not compute it first. (The speculative tree
         answers which engine a key was routed to, not by whom: this asks the requests in flight
         there.)"""
-        cl = self._cluster
-        eng = cl.engines.get(ev.engine_id)
+        eng = self._cluster.engines.get(ev.engine_id)
         if eng is None:
             return 0
         now = self._now
-        spec = cl.spec
-        inflight = cl._inflight
         fifo = ev.arrival_order
-        computing = [
+        queued = [
             request_id
             for request_id, (due, _, prefill_s, _) in eng.open_prefill.items()
             if fifo or (due <= deadline and due - now >= prefill_s)
         ]
-        written = len(eng.decoding)
-        n = len(key)
         block = eng.profile.block_bytes
         # what is cached for this request (``since``: whole blocks) and the first block past
         # it: a key without both adds no whole block, and one memcmp tells most keys apart
         head = key[: since + block]
-        h = len(head)
-        if h <= since:
+        if len(head) <= since:
             return 0
+        best = max(
+            self._shared_prefix(eng.decoding, key, head, None),
+            self._shared_prefix(queued, key, head, since),
+        )
+        return best - best % block
+
+    def _shared_prefix(
+        self, request_ids: Iterable[str], key: bytes, head: bytes, since: int | None
+    ) -> int:
+        """The longest prefix of ``key`` that the keys routed with these in-flight requests
+        share, among those starting with ``head`` (0: none does); with ``since``, only the
+        requests routed on at most that many cached bytes (the ones that prefill the rest)."""
+        cl = self._cluster
+        inflight = cl._inflight
+        spec = cl.spec
+        h = len(head)
+        n = len(key)
         best = 0
-        for i, request_id in enumerate((*eng.decoding, *computing)):
+        for request_id in request_ids:
             rec = inflight.get(request_id)
-            if rec is None or (i >= written and rec.matched_bytes > since):
+            if rec is None or (since is not None and rec.matched_bytes > since):
                 continue
             other = spec.key_of(rec.spec)
             if other is None or not other.startswith(head):
@@ -234,7 +245,7 @@ class View:
             k = h + lcp_at(other, h, key, h, m - h) if m > h else h
             if k > best:
                 best = k
-        return best - best % block
+        return best
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         """How long until ``count`` of the router's requests decoding on ``ev`` have finished
