@@ -2,11 +2,12 @@
 
 Works against kvgate's gateway, sglang-router, vllm-router or a bare engine: requests go to
 ``{base_url}/v1/completions`` or ``/v1/chat/completions`` at their arrival times whether or not
-earlier ones have finished (open loop), streamed, with SLO headers (``x-kvgate-ttft-ms``,
-``x-kvgate-tpot-ms``) and, unless turned off, the trace's token counts in the body field
-``kvgate`` (kvgate engines honour it; other servers ignore or reject unknown fields, hence the
-flag). Every request yields a :class:`bench.metrics.RequestRecord`; the run writes them as JSONL
-and a summary JSON.
+earlier ones have finished (open loop; a conversation's turn that resends an earlier turn's
+answer, ``Request.after``, waits for that answer and then the turns' gap), streamed, with SLO
+headers (``x-kvgate-ttft-ms``, ``x-kvgate-tpot-ms``) and, unless turned off, the trace's token
+counts in the body field ``kvgate`` (kvgate engines honour it; other servers ignore or reject
+unknown fields, hence the flag). Every request yields a :class:`bench.metrics.RequestRecord`;
+the run writes them as JSONL and a summary JSON.
 
 Bounded by construction: at most ``max_requests`` requests, none sent after ``max_duration_s``,
 a per-request timeout, and a final drain timeout after which what is still open is cancelled
@@ -265,13 +266,29 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
     async with aiohttp.ClientSession(connector=connector) as session:
         start = clock()
         base = reqs[0].arrival if reqs else 0.0
+        # conversations (Request.after): each turn's task, and when each one ended
+        arrival = {r.request_id: r.arrival for r in reqs}
+        turns: dict[str, asyncio.Task] = {}
+        ended: dict[str, float] = {}
 
         def done(task: asyncio.Task) -> None:
             tasks.discard(task)
             if not task.cancelled() and task.exception() is None:
                 rec = task.result()
+                ended[rec.request_id] = clock()
                 records.append(rec)
                 progress.update(rec)
+
+        async def after_answer(before: asyncio.Task, req: Request, due: float) -> RequestRecord:
+            """A turn that resends the answer before it: sent when that answer has ended and
+            the gap between the two turns in the workload has passed (its latencies count
+            from then), as the simulator sends it."""
+            await asyncio.wait({before})
+            gap = req.arrival - arrival[req.after or ""]
+            sent = max(due, ended.get(req.after or "", clock()) + gap)
+            if sent > clock():
+                await asyncio.sleep(sent - clock())
+            return await send_one(session, req, cfg, sent, clock)
 
         for req in reqs:
             due = start + (req.arrival - base)
@@ -284,7 +301,12 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
                 records.append(rec)
                 progress.update(rec)
                 continue
-            task = asyncio.ensure_future(send_one(session, req, cfg, due, clock))
+            before = turns.get(req.after) if req.after is not None else None
+            if before is not None:
+                task = asyncio.ensure_future(after_answer(before, req, due))
+            else:
+                task = asyncio.ensure_future(send_one(session, req, cfg, due, clock))
+            turns[req.request_id] = task
             tasks.add(task)
             task.add_done_callback(done)
         if tasks:

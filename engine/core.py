@@ -518,6 +518,10 @@ class EngineCore(SchedBook):
     def _finish(self, st: ReqState, t: float) -> Usage:
         if st.phase is Phase.DECODING:
             self.decoding.remove(st)
+            if st.req.answer_key and self.cache.holds(st.request_id):
+                # its answer's KV joins the prefix cache (vLLM and SGLang cache output tokens)
+                self.cache.extend(st.request_id, st.req.key + st.req.answer_key, t)
+                self._events.extend(self.cache.drain_events())
         st.move(Phase.FINISHED)
         self._states.pop(st.request_id, None)
         self._release(st, t)

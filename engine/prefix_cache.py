@@ -13,7 +13,9 @@ When its prefill completes the request :meth:`commit` s its key blocks into the 
 :class:`~broker.events.BlockStored` for the newly stored chain; under a scheduler that caches
 chunks, each chunk's blocks as it completes, as vLLM and SGLang do); on finish it :meth:`release` s
 them: they stay cached, unpinned, until LRU eviction (a :class:`~broker.events.BlockRemoved`)
-makes room. Only unpinned leaves are evicted, so a cached block's parent is always cached.
+makes room. A finished request whose answer a conversation's next turn will resend first
+:meth:`extend` s its key with the answer's whole blocks (vLLM and SGLang cache output tokens).
+Only unpinned leaves are evicted, so a cached block's parent is always cached.
 
 Pure: ``now`` comes from the caller; nothing here reads a clock.
 """
@@ -46,7 +48,7 @@ class _Alloc:
     hashes: list[int]  # the request's full key chain
     pinned: int  # how many leading blocks of ``hashes`` this request pins
     reserved: int  # blocks reserved and not yet turned into cache nodes
-    private: int  # of ``reserved``, the blocks that never become cache nodes
+    private: int  # of ``reserved``, the blocks past the key (cache nodes only by ``extend``)
     matched: int = 0  # leading key blocks that were cached when it reserved
 
 
@@ -195,6 +197,25 @@ class PrefixCache:
                 self._pinned_nodes -= 1
                 if node.children == 0:
                     self._push(h, node)
+
+    def extend(self, request_id: str, key: bytes, now: float) -> None:
+        """Store the whole blocks of ``key`` (the request's committed key and what followed it,
+        its answer) past its key blocks, into the private blocks it reserved (as many as those
+        hold); emits BlockStored. A finished answer's KV stays cached as vLLM and SGLang keep
+        it, so the conversation's next turn, which resends it, finds its history cached."""
+        alloc = self._alloc(request_id)
+        if alloc.pinned < len(alloc.hashes):
+            raise KvError(f"request {request_id} extends a key it has not committed")
+        hashes = self.key_hashes(key)
+        n = len(alloc.hashes)
+        if hashes[:n] != alloc.hashes:
+            raise KvError(f"request {request_id} extends its key with another key")
+        extra = hashes[n : n + alloc.reserved]
+        if not extra:
+            return
+        alloc.hashes = alloc.hashes + extra
+        self._track(extra, 1)
+        self.commit(request_id, key, now)
 
     def matched_blocks(self, request_id: str) -> int:
         """Key blocks that were cached when the request reserved."""

@@ -107,6 +107,7 @@ def _engine_request(req: Request, key: bytes, arrival: float) -> EngineRequest:
         output_tokens=req.output_tokens,
         slo=req.slo,
         arrival=arrival,
+        answer_key=req.answer_key(),
     )
 
 

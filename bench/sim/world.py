@@ -6,7 +6,9 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
 
 * a client request reaches the router ``ingress_s + ingress_s_per_mb x MB of key`` after its
   arrival (``ARRIVAL``; both 0 by default) and is routed at once; a shed decision is a 429;
-  latencies count from the arrival;
+  latencies count from the arrival; a conversation's turn that resends an earlier turn's
+  answer (``Request.after``) is sent only when that answer has ended, its gap in the workload
+  later, and the engine caches that answer (``EngineRequest.answer_key``);
 * a routed request reaches its engine ``network_delay_s`` later (``SUBMIT``), as the gateway's
   HTTP call would;
 * each engine's step ends are ``ENGINE_WAKE`` events at :meth:`EngineCore.next_event_time`
@@ -201,6 +203,11 @@ class World:
         self.transfers_ms: list[float] = []
         self.stats = WorldStats()
         self._horizon = 0.0
+        # conversations (``Request.after``): each request's arrival in the workload, when each
+        # one ended, and the turns waiting for an answer, by the request they wait for
+        self._scheduled: dict[str, float] = {}
+        self._ended: dict[str, float] = {}
+        self._waiting: dict[str, list[Request]] = {}
         loop = self.loop
         loop.on(Kind.ARRIVAL, self._on_arrival)
         loop.on(Kind.SUBMIT, self._on_submit)
@@ -219,10 +226,9 @@ class World:
         """
         if not requests:
             return
-        fixed, per_byte = self.link.ingress_s, self.link.ingress_s_per_mb / 1e6
+        self._scheduled = {req.request_id: req.arrival for req in requests}
         for req in requests:
-            at = req.arrival + fixed + per_byte * req.key_len if fixed or per_byte else req.arrival
-            self.loop.schedule(at, Kind.ARRIVAL, req)
+            self.loop.schedule(self._routed_at(req), Kind.ARRIVAL, req)
         last = requests[-1].arrival
         self._horizon = last
         for slot in self.slots:
@@ -242,7 +248,42 @@ class World:
     def _record(self, req: Request) -> RequestRecord:
         return RequestRecord.for_request(req, prompt_tokens=req.input_tokens)
 
+    def _routed_at(self, req: Request) -> float:
+        """When ``req``, sent at its arrival, reaches the router (its body's ingress)."""
+        fixed, per_byte = self.link.ingress_s, self.link.ingress_s_per_mb / 1e6
+        return req.arrival + fixed + per_byte * req.key_len if fixed or per_byte else req.arrival
+
+    def _waits(self, req: Request, now: float) -> bool:
+        """Whether ``req``, a conversation's turn, waits for the answer to the turn before it
+        (``Request.after``, when that turn is in this run): until that answer ends, and then
+        the gap between the two turns in the workload (the user reads, thinks, types). It is
+        sent then, and its latencies count from then."""
+        before = req.after
+        if before is None or before not in self._scheduled:
+            return False
+        ended = self._ended.get(before)
+        if ended is None:
+            self._waiting.setdefault(before, []).append(req)
+            return True
+        self._send_after(req, ended, now)
+        return True
+
+    def _send_after(self, req: Request, ended: float, now: float) -> None:
+        gap = max(req.arrival - self._scheduled[req.after or ""], 0.0)
+        sent = req.with_(arrival=max(ended + gap, now), after=None)
+        at = self._routed_at(sent)
+        self._horizon = max(self._horizon, at)
+        self.loop.schedule(at, Kind.ARRIVAL, sent)
+
+    def _ended_request(self, request_id: str, now: float) -> None:
+        """``request_id`` has its answer, or its refusal: the turns waiting for it are sent."""
+        self._ended[request_id] = now
+        for req in self._waiting.pop(request_id, ()):
+            self._send_after(req, now, now)
+
     def _on_arrival(self, req: Request, now: float) -> None:
+        if self._waits(req, now):
+            return
         rec = self._record(req)
         self.records.append(rec)
         key = req.key()
@@ -271,11 +312,13 @@ class World:
                 rec.status = STATUS_SHED
                 rec.error = decision.detail or "shed by the router"
                 rec.e2e_s = 0.0
+                self._ended_request(req.request_id, now)
                 return
         slot = self._by_id.get(engine_id)
         if slot is None:
             rec.status = 502
             rec.error = f"router chose unknown engine {engine_id}"
+            self._ended_request(req.request_id, now)
             return
         rec.engine = engine_id
         if self.predictions and decision.engine_id is not None:
@@ -290,7 +333,8 @@ class World:
         if decision.disaggregated and dec in self._by_id:
             flight.decode_engine = self._by_id[dec].index
             flight.ereq, flight.key = ereq, key
-            ereq = replace(ereq, output_tokens=1)  # the prefill phase: one token
+            # the prefill phase: one token (the answer is the decode engine's to cache)
+            ereq = replace(ereq, output_tokens=1, answer_key=b"")
             self.stats.extra["disaggregated"] = self.stats.extra.get("disaggregated", 0) + 1
         self.loop.schedule(now + self.link.network_delay_s, Kind.SUBMIT, (slot.index, ereq))
 
@@ -325,6 +369,7 @@ class World:
             rec.e2e_s = now - arrival
             del self._flights[out.request_id]
             self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
+            self._ended_request(flight.req.request_id, now)
             return
         if flight.decode_engine is not None and out.request_id == flight.req.request_id:
             if out.usage is not None:  # the prefill phase ended: the KV moves
@@ -358,6 +403,7 @@ class World:
                 slot.itl_count += u.completion_tokens - 1
             del self._flights[out.request_id]
             self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
+            self._ended_request(flight.req.request_id, now)
 
     def _on_transfer(self, payload: tuple[_Flight, float], now: float) -> None:
         """The prompt's KV is on the decode engine: the decode request arrives there."""

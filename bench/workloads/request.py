@@ -104,6 +104,12 @@ class Request:
     endpoint: Endpoint = "completions"
     kind: str = "default"
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    # a conversation's turn waits for the answer to the turn before it, ``after`` (its request
+    # id): the simulator sends it that turn's gap in the workload after that answer ends (None:
+    # at its arrival). ``reply`` is the answer this turn gets, as the next turn resends it (the
+    # simulated model answers it, and the engine caches it as vLLM and SGLang cache output)
+    after: str | None = None
+    reply: Segment | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -139,6 +145,14 @@ class Request:
         if self.endpoint == "completions":
             return self.turns[0].render()
         return canonical_chat_bytes(self.messages())
+
+    def answer_key(self) -> bytes:
+        """What the answer (``reply``) adds to the key of the conversation's next turn: its text
+        and the line end that closes an assistant message in the canonical rendering, after
+        this key's closing ``<|assistant|>`` line (b"": no reply, or not a chat)."""
+        if self.reply is None or self.endpoint != "chat":
+            return b""
+        return self.reply.render() + b"\n"
 
     # ------------------------------------------------------------------ wire
 

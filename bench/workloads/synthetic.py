@@ -248,11 +248,17 @@ def multi_turn_chat(
     cv: float = 1.0,
     slo: Slo = SLO_CLASSES["relaxed"],
     model: str = DEFAULT_MODEL,
+    wait_for_answer: bool = False,
 ) -> list[Request]:
     """Sessions whose every turn resends the history; ``rate`` counts requests, not sessions.
 
     Session starts are open-loop at ``rate / mean_turns``; a session's next turn comes an
-    exponential think time after the previous one (not after its answer: open loop).
+    exponential think time after the previous one (not after its answer: open loop; a rate
+    scale that compresses the think times sends most next turns before the answer they resend
+    exists). With ``wait_for_answer`` (the ``chat_sessions`` workload) each turn names the one
+    before it (``Request.after``) and its own answer (``Request.reply``): the simulator sends it
+    the think time after that answer ends, and the engine caches the answer, as a user's next
+    turn and a real engine's cache go.
     """
     rng = random.Random(f"multi_turn_chat:{seed}")
     out = []
@@ -261,6 +267,7 @@ def multi_turn_chat(
         n_turns = 1 + int(rng.expovariate(1.0 / max(mean_turns - 1, 1e-9)))
         history: tuple[Turn, ...] = (system,)
         t = start
+        before: str | None = None
         for k in range(n_turns):
             if t >= duration:
                 break
@@ -269,20 +276,23 @@ def multi_turn_chat(
             )
             answer = lognormal_int(rng, output_tokens, 0.6, 1, 2000)
             turns = (*history, user)
-            out.append(
-                make_request(
-                    f"chat-{seed}-{s}-{k}",
-                    t,
-                    turns,
-                    answer,
-                    endpoint="chat",
-                    kind="multi_turn_chat",
-                    slo=slo,
-                    model=model,
-                    session=f"s{seed}-{s}",
-                )
+            reply = _seg("chat-a", answer, seed, s, k)
+            req = make_request(
+                f"chat-{seed}-{s}-{k}",
+                t,
+                turns,
+                answer,
+                endpoint="chat",
+                kind="multi_turn_chat",
+                slo=slo,
+                model=model,
+                session=f"s{seed}-{s}",
             )
-            history = (*turns, Turn("assistant", (_seg("chat-a", answer, seed, s, k),)))
+            if wait_for_answer:
+                req = req.with_(after=before, reply=reply)
+            out.append(req)
+            before = req.request_id
+            history = (*turns, Turn("assistant", (reply,)))
             t += rng.expovariate(1.0 / think_time_s)
     out.sort(key=lambda r: r.arrival)
     return out

@@ -143,6 +143,28 @@ async def test_replay_is_open_loop_and_bounded() -> None:
         await runner.cleanup()
 
 
+async def test_replay_sends_a_conversation_s_next_turn_after_the_answer_it_resends() -> None:
+    """A turn naming the one before it (``Request.after``) is sent when that answer has ended
+    plus the turns' gap in the workload (0.01 s here, against an answer of ~0.19 s), and its
+    latencies count from then; the other requests stay open loop."""
+    seen: list[dict] = []
+    runner, url = await _start(_app(seen))
+    try:
+        reqs = [_req(0, 0.0, chat=True), _req(1, 0.01, chat=True).with_(after="r0"), _req(2, 0.02)]
+        t0 = asyncio.get_running_loop().time()
+        res = await replay(reqs, ReplayConfig(url, progress=False))
+    finally:
+        await runner.cleanup()
+    assert all(r.ok for r in res.records)
+    # r2 (no predecessor) went out while r0 was still streaming; r1 only after r0's answer
+    assert [s["body"].get("prompt") is not None for s in seen] == [False, True, False]
+    r0, r1, _ = res.records
+    answered = r0.e2e_s
+    assert answered >= FIRST_DELAY + STALL
+    assert r1.ttft_s < answered  # counted from when it was sent, not from its arrival
+    assert asyncio.get_running_loop().time() - t0 >= answered + 0.01 + r1.e2e_s
+
+
 async def test_replay_without_hint_and_unreachable_target() -> None:
     seen: list[dict] = []
     runner, url = await _start(_app(seen))

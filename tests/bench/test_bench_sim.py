@@ -76,6 +76,43 @@ def test_repeated_prompt_hits_the_cache_and_the_router_follows_it() -> None:
     assert b.ttft_s == pytest.approx(0.0005 + PROFILE.prefill_ms(8, 992) / 1000, rel=1e-9)
 
 
+def _turns(gap: float) -> list[Request]:
+    """A two-turn conversation: the second resends the first's answer (``reply``) and is due
+    ``gap`` seconds after the first, long before that answer (200 tokens) can end."""
+    system = Turn("system", (Segment(7, 2000),))
+    first = Turn("user", (Segment(8, 400),))
+    reply = Segment(9, 800)
+    prompts = [
+        (system, first),
+        (system, first, Turn("assistant", (reply,)), Turn("user", (Segment(10, 200),))),
+    ]
+    reqs = [
+        Request(f"t{k}", 1.0 + k * gap, turns, 1, 200, slo=RELAXED, endpoint="chat", session="s")
+        for k, turns in enumerate(prompts)
+    ]
+    reqs = [r.with_(input_tokens=-(-r.key_len // 4)) for r in reqs]
+    return [reqs[0].with_(reply=reply), reqs[1].with_(after="t0")]
+
+
+def test_a_conversation_s_next_turn_waits_for_the_answer_it_resends() -> None:
+    world = _world("e2", engines=2)
+    world.run(_turns(gap=0.5))
+    a, b = sorted(world.records, key=lambda r: r.request_id)
+    assert a.ok and b.ok and a.engine == b.engine  # its history is cached there
+    end = a.arrival + a.e2e_s
+    assert a.e2e_s > 1.0  # 200 tokens: the answer takes seconds
+    assert b.arrival == pytest.approx(end + 0.5)  # sent the workload's gap after the answer
+    # its history is cached, the answer included (whole 64-byte blocks): only the tail is new
+    t0 = _turns(0.5)[0]
+    history = len(t0.key()) + len(t0.answer_key())
+    assert b.cached_tokens == history // 64 * 16 > len(t0.key()) // 64 * 16
+    # a turn whose predecessor is not in the run is sent at its own arrival
+    world = _world("e2", engines=2)
+    world.run(_turns(gap=0.5)[1:])
+    (only,) = world.records
+    assert only.ok and only.arrival == 1.5
+
+
 class _Spy:
     """Records what reaches the real router (delegates everything to it)."""
 

@@ -259,6 +259,29 @@ def test_multi_turn_chat_resends_history_as_a_prefix() -> None:
         assert nxt.startswith(prev)  # canonical rendering ends in "<|assistant|>\n"
 
 
+def test_chat_sessions_wait_for_their_answers_and_resend_them() -> None:
+    """``chat_sessions``: multi_turn_chat's requests, each turn naming the one before it and the
+    answer it gets, which the next turn's key resends right after this one's."""
+    opts = WorkloadOptions(seed=2, rate=5, duration=120)
+    plain = build_workload("multi_turn_chat", opts)
+    chats = build_workload("chat_sessions", opts)
+    assert [(r.request_id, r.arrival, r.key()) for r in plain] == [
+        (r.request_id, r.arrival, r.key()) for r in chats
+    ]
+    assert all(r.after is None and r.reply is None and not r.answer_key() for r in plain)
+    by_id = {r.request_id: r for r in chats}
+    followers = [r for r in chats if r.after is not None]
+    assert followers
+    for r in followers:
+        before = by_id[r.after or ""]
+        assert before.session == r.session and before.arrival <= r.arrival
+        assert r.key().startswith(before.key() + before.answer_key())
+        assert before.answer_key() == before.reply.render() + b"\n"  # type: ignore[union-attr]
+        assert len(before.answer_key()) == 4 * before.output_tokens + 1
+    firsts = [r for r in chats if r.after is None]
+    assert len({r.session for r in firsts}) == len(firsts)  # one first turn a session
+
+
 def test_chat_key_matches_the_gateways_parse() -> None:
     for r in build_workload("qwen_mix", WorkloadOptions(rate=5, duration=20))[:10]:
         parsed = parse_request("chat", r.body(), r.headers())

@@ -48,6 +48,33 @@ def test_events_and_usage_of_one_request() -> None:
     assert outs[-1].usage.ttft_ms == pytest.approx(2.0)
 
 
+def test_a_finished_answer_is_cached_for_the_turn_that_resends_it() -> None:
+    """vLLM and SGLang cache a finished request's output tokens: a conversation's next turn,
+    which resends the answer, finds it cached. 50 prompt tokens (200 bytes, 3 whole blocks of
+    64) and 30 output tokens: 320 bytes, 5 whole blocks cached after it ends; without the
+    answer's bytes (``answer_key``) only the prompt's 3."""
+    from dataclasses import replace
+
+    prompt = bytes(range(65, 65 + 50)) * 4
+    answer = b"z" * 120  # what the next turn resends of the answer (30 tokens)
+    nxt = prompt + answer + b"<|user|> and then?"
+    for answer_key, cached in ((answer, 320 // 4), (b"", 192 // 4)):
+        c = core()
+        c.submit(replace(req("A", 50, out=30, key=prompt), answer_key=answer_key), 0.0)
+        run_until(c, 10.0)
+        stored = [e for e in c.drain_events() if isinstance(e, BlockStored)]
+        assert sum(len(e.hashes) for e in stored) == cached * 4 // 64
+        c.submit(req("B", len(nxt) // 4, key=nxt, at=10.0), 10.0)
+        outs = run_until(c, 20.0)
+        assert outs[-1].usage is not None and outs[-1].usage.cached_tokens == cached
+    # a refused or cancelled request has no answer to cache
+    c = core()
+    c.submit(replace(req("A", 50, out=1000, key=prompt), answer_key=answer), 0.0)
+    run_until(c, 0.1)
+    c.cancel("A", 0.1)
+    assert c.cache.match(c.cache.key_hashes(nxt)) == 3
+
+
 def test_cancel_frees_kv_and_emits_a_terminal_event() -> None:
     c = core(profile=linear_profile(kv_blocks=100))
     c.submit(req("A", 100, out=1000), 0.0)

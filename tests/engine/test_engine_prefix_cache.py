@@ -126,3 +126,42 @@ def test_a_prefill_commits_its_chunks_as_one_chain_then_the_rest() -> None:
     c.release("r2", 5.0)
     assert c.match(h2) == 1
     assert c.free_blocks == 5
+
+
+def test_extend_caches_an_answer_s_whole_blocks_into_the_reserved_private_ones() -> None:
+    # a request of key "aaaabb" (one whole block, a partial "bb") with 3 private blocks answers
+    # "bbcccdddd": the next turn resends "aaaabbbbcccdddd..." and finds 3 blocks cached
+    c = _cache(100)
+    key = b"aaaabb"
+    h = c.key_hashes(key)
+    assert c.reserve("r1", h, 3, 1.0) == 0
+    c.commit("r1", key, 1.0)
+    c.drain_events()
+    used = c.used_blocks
+    c.extend("r1", key + b"bbcccdddd", 2.0)
+    full = c.key_hashes(b"aaaabbbbcccdddd")
+    assert c.drain_events() == [BlockStored(h[0], tuple(full[1:3]), (b"bbbb", b"cccd"))]
+    assert c.used_blocks == used  # two reserved blocks became cache nodes
+    c.release("r1", 3.0)
+    assert c.match(full) == 3  # "aaaa", "bbbb", "cccd" ("ddd" is not a whole block)
+    assert c.free_blocks == 100 - 3
+    # no more than it reserved: one private block holds one answer block
+    assert c.reserve("r2", c.key_hashes(b"xxxx"), 1, 4.0) == 0
+    c.commit("r2", b"xxxx", 4.0)
+    c.extend("r2", b"xxxxyyyyzzzz", 4.0)
+    c.release("r2", 5.0)
+    assert c.match(c.key_hashes(b"xxxxyyyyzzzz")) == 2
+
+
+def test_extend_refuses_another_key_or_an_uncommitted_one() -> None:
+    import pytest
+
+    from engine.prefix_cache import KvError
+
+    c = _cache(100)
+    assert c.reserve("r1", c.key_hashes(b"aaaabbbb"), 2, 1.0) == 0
+    with pytest.raises(KvError, match="not committed"):
+        c.extend("r1", b"aaaabbbbcccc", 1.0)
+    c.commit("r1", b"aaaabbbb", 1.0)
+    with pytest.raises(KvError, match="another key"):
+        c.extend("r1", b"aaaaXXXXcccc", 1.0)
