@@ -237,11 +237,19 @@ class World:
             self.loop.schedule(self.link.heartbeat_s, Kind.HEARTBEAT, slot.index)
         until = None if drain_s is None else last + drain_s
         self.loop.run(until=until)
-        # whatever is still open when the bound hits ends as a timeout
+        # whatever is still open when the bound hits ends as a timeout, and so does a turn
+        # still waiting for the answer before it
         for flight in list(self._flights.values()):
             flight.record.error = "still running when the simulation stopped"
             flight.record.status = 504
         self._flights.clear()
+        for waiting in self._waiting.values():
+            for req in waiting:
+                rec = self._record(req)
+                rec.error = "still waiting for the answer before it when the simulation stopped"
+                rec.status = 504
+                self.records.append(rec)
+        self._waiting.clear()
 
     # ------------------------------------------------------------------ handlers
 

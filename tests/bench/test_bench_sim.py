@@ -111,6 +111,11 @@ def test_a_conversation_s_next_turn_waits_for_the_answer_it_resends() -> None:
     world.run(_turns(gap=0.5)[1:])
     (only,) = world.records
     assert only.ok and only.arrival == 1.5
+    # stopped before the first answer ends (drain bound): the second turn is recorded, unsent
+    world = _world("e2", engines=2)
+    world.run(_turns(gap=0.5), drain_s=0.1)
+    a, b = sorted(world.records, key=lambda r: r.request_id)
+    assert a.status == b.status == 504 and b.engine is None and "waiting" in (b.error or "")
 
 
 class _Spy:
