@@ -99,6 +99,22 @@ def _chunk_text(chunk: dict) -> str:
     return delta.get("content") or ""
 
 
+def _message_text(payload: dict) -> str:
+    """A unary chat answer's text."""
+    choices = payload.get("choices") or ()
+    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+    return (message or {}).get("content") or "" if isinstance(message, dict) else ""
+
+
+def _resend_answers(body: dict, answers: list[str]) -> None:
+    """Put the answers a conversation's earlier turns got in place of its assistant messages,
+    in order (the workload's own text where there is none)."""
+    replies = [m for m in body.get("messages") or () if m.get("role") == "assistant"]
+    for message, answer in zip(replies, answers, strict=False):
+        if answer:
+            message["content"] = answer
+
+
 def _apply_usage(rec: RequestRecord, usage: dict | None) -> None:
     if not isinstance(usage, dict):
         return
@@ -126,16 +142,22 @@ async def send_one(
     cfg: ReplayConfig,
     scheduled: float,
     clock: Callable[[], float],
+    answers: list[str] | None = None,
 ) -> RequestRecord:
     """Send one request and time it; never raises (errors become the record's status/error).
 
     ``scheduled`` is the clock value the request was due at: TTFT and e2e count from it, so
-    a client falling behind shows up as latency rather than hiding it.
+    a client falling behind shows up as latency rather than hiding it. ``answers``, for a
+    conversation's turn: the answers its earlier turns got, which it resends as its assistant
+    messages in their place (as a client resends what it got); this one's answer is appended.
     """
     rec = RequestRecord.for_request(req, prompt_tokens=req.input_tokens)
     body = req.body(
         model=cfg.model, stream=cfg.stream, hint=cfg.send_hint, ignore_eos=cfg.ignore_eos
     )
+    if answers is not None:
+        _resend_answers(body, answers)
+    text: list[str] = []
     headers = {"content-type": "application/json", "x-request-id": req.request_id}
     if cfg.slo_headers:
         headers.update(req.headers())
@@ -163,6 +185,7 @@ async def send_one(
                 payload = orjson.loads(await resp.read())
                 rec.e2e_s = clock() - scheduled
                 _apply_usage(rec, payload.get("usage"))
+                text.append(_message_text(payload))
                 return rec
             async for raw in resp.content:
                 line = raw.strip()
@@ -175,7 +198,9 @@ async def send_one(
                 if "error" in chunk:
                     rec.error = str(chunk["error"])[:300]
                     break
-                if _chunk_text(chunk):
+                piece = _chunk_text(chunk)
+                if piece:
+                    text.append(piece)
                     now = clock()
                     if first is None:
                         first = now
@@ -200,6 +225,8 @@ async def send_one(
         rec.e2e_s = clock() - scheduled
         return rec
     finally:
+        if answers is not None:  # (one entry a turn, empty when it got none)
+            answers.append("".join(text) if rec.ok else "")
         if first is not None:
             rec.ttft_s = first - scheduled
             tokens = max(rec.completion_tokens, chunks)
@@ -266,10 +293,12 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
     async with aiohttp.ClientSession(connector=connector) as session:
         start = clock()
         base = reqs[0].arrival if reqs else 0.0
-        # conversations (Request.after): each turn's task, and when each one ended
+        # conversations (Request.after): each turn's task, when each one ended, and the
+        # answers each conversation got, in order (its next turns resend them)
         arrival = {r.request_id: r.arrival for r in reqs}
         turns: dict[str, asyncio.Task] = {}
         ended: dict[str, float] = {}
+        got: dict[str, list[str]] = {}
 
         def done(task: asyncio.Task) -> None:
             tasks.discard(task)
@@ -279,7 +308,9 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
                 records.append(rec)
                 progress.update(rec)
 
-        async def after_answer(before: asyncio.Task, req: Request, due: float) -> RequestRecord:
+        async def after_answer(
+            before: asyncio.Task, req: Request, due: float, answers: list[str] | None
+        ) -> RequestRecord:
             """A turn that resends the answer before it: sent when that answer has ended and
             the gap between the two turns in the workload has passed (its latencies count
             from then), as the simulator sends it."""
@@ -288,7 +319,7 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
             sent = max(due, ended.get(req.after or "", clock()) + gap)
             if sent > clock():
                 await asyncio.sleep(sent - clock())
-            return await send_one(session, req, cfg, sent, clock)
+            return await send_one(session, req, cfg, sent, clock, answers)
 
         for req in reqs:
             due = start + (req.arrival - base)
@@ -302,10 +333,17 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
                 progress.update(rec)
                 continue
             before = turns.get(req.after) if req.after is not None else None
+            # the answers its conversation got so far, shared by its turns (for its first turn
+            # in this replay, a new list, its earlier turns' answers unknown: their text stays)
+            answers = got.get(req.after or "") if before is not None else None
+            if answers is None and req.reply is not None:
+                answers = [""] * sum(1 for t in req.turns if t.role == "assistant")
+            if answers is not None:
+                got[req.request_id] = answers
             if before is not None:
-                task = asyncio.ensure_future(after_answer(before, req, due))
+                task = asyncio.ensure_future(after_answer(before, req, due, answers))
             else:
-                task = asyncio.ensure_future(send_one(session, req, cfg, due, clock))
+                task = asyncio.ensure_future(send_one(session, req, cfg, due, clock, answers))
             turns[req.request_id] = task
             tasks.add(task)
             task.add_done_callback(done)

@@ -517,6 +517,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             arrival=arrival,
             kv_transfer_ms=None if moved is None else moved[1],
             kv_transfer_tokens=None if moved is None else moved[0],
+            answer_key=_answer_key(server, parsed, rid, output_tokens, keep_kv),
         )
         queue = server.submit(req, request)
         try:
@@ -527,6 +528,20 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             server.cancel(rid)  # no-op when it finished; frees everything when the client left
     finally:
         request_id_var.reset(token)
+
+
+def _answer_key(
+    server: EngineServer, parsed: ParsedRequest, rid: str, output_tokens: int, keep_kv: bool
+) -> bytes:
+    """What this chat answer adds to the key of the conversation's next turn, which resends it
+    as an assistant message: its text (the simulated model's, fixed by the request id) and the
+    line end closing the message in the canonical rendering (kvgate.openai_request), whose key
+    ends with the assistant's opening line. The engine caches it when the answer is complete,
+    as vLLM and SGLang cache output tokens. None (b"") under a model's chat template, whose
+    rendering of the answer is the template's, and for a prefill handed to a decode engine."""
+    if parsed.endpoint != "chat" or server.template is not None or keep_kv:
+        return b""
+    return tokens_text(rid, 0, output_tokens).encode() + b"\n"
 
 
 def _rejection(server: EngineServer, reason: str) -> web.Response:

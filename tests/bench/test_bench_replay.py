@@ -54,6 +54,15 @@ def _app(seen: list[dict], release: asyncio.Event | None = None) -> web.Applicat
             )
         if body.get("max_tokens") == 98:
             await asyncio.wait_for(release.wait(), 30)  # a hung upstream
+        if not body.get("stream"):  # a unary answer: the same tokens in one message
+            await asyncio.sleep(FIRST_DELAY)
+            text = "".join(f"t{i} " for i in range(N_TOKENS))
+            return web.json_response(
+                {
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+                    "usage": {"prompt_tokens": 100, "completion_tokens": N_TOKENS},
+                }
+            )
         resp = web.StreamResponse(headers={"x-kvgate-route": "policy=e2;reason=explore;engine=e7"})
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
@@ -149,15 +158,27 @@ async def test_replay_sends_a_conversation_s_next_turn_after_the_answer_it_resen
     latencies count from then; the other requests stay open loop."""
     seen: list[dict] = []
     runner, url = await _start(_app(seen))
+    reply = Segment(77, 20)  # the workload's answer text, which the live answer replaces
+    first = _req(0, 0.0, chat=True).with_(reply=reply)
+    turns = (*first.turns, Turn("assistant", (reply,)), Turn("user", (Segment(78, 40),)))
+    second = _req(1, 0.01, chat=True).with_(turns=turns, after="r0", reply=Segment(79, 20))
     try:
-        reqs = [_req(0, 0.0, chat=True), _req(1, 0.01, chat=True).with_(after="r0"), _req(2, 0.02)]
+        # unary answers too: the follower resends the message it got
+        await replay([first, second], ReplayConfig(url, progress=False, stream=False))
+        assert seen[1]["body"]["messages"][1]["content"] == "t0 t1 t2 t3 t4 "
+        seen.clear()
+        reqs = [first, second, _req(2, 0.02)]
         t0 = asyncio.get_running_loop().time()
         res = await replay(reqs, ReplayConfig(url, progress=False))
     finally:
         await runner.cleanup()
-    assert all(r.ok for r in res.records)
-    # r2 (no predecessor) went out while r0 was still streaming; r1 only after r0's answer
+    # r2 (no predecessor) went out while r0 was still answering; r1 only after r0's answer,
+    # resending the answer r0 got in place of the workload's (as a client resends what it got)
     assert [s["body"].get("prompt") is not None for s in seen] == [False, True, False]
+    sent = seen[2]["body"]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert sent[1]["content"] == "t0 t1 t2 t3 t4 " != reply.render().decode()
+    assert all(r.ok for r in res.records)
     r0, r1, _ = res.records
     answered = r0.e2e_s
     assert answered >= FIRST_DELAY + STALL

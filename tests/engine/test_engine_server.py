@@ -64,6 +64,33 @@ async def test_chat_streaming_with_usage(engine) -> None:
     assert usage is not None and usage.completion_tokens == 5
 
 
+async def test_a_conversation_s_next_turn_finds_the_answer_it_resends_cached(engine) -> None:
+    """The openai SDK's conversation: the next turn resends the answer as an assistant message,
+    and the engine cached that answer when it finished (as vLLM and SGLang cache output), so
+    the whole history is a hit, not only the last prompt."""
+    url, _, _ = engine
+    client = _client(url)
+    history = [{"role": "user", "content": PROMPT}]
+    first = await client.chat.completions.create(
+        model="kvgate-sim", messages=history, max_tokens=64
+    )
+    answer = first.choices[0].message.content or ""
+    assert len(answer) == 64 * 4
+    history += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And 3 + 3?"},
+    ]
+    second = await client.chat.completions.create(
+        model="kvgate-sim", messages=history, max_tokens=4
+    )
+    # the first turn's key (PROMPT and its wrapping) and the answer's 256 bytes: whole 64-byte
+    # blocks of both, i.e. well past the first prompt's own
+    first_key = len(b"<|user|>\n" + PROMPT.encode() + b"\n<|assistant|>\n")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first_key + len(answer) + 1) // 64 * 16
+    assert cached > first_key // 64 * 16 + 48
+
+
 async def test_completion_streaming_and_chat_non_stream(engine) -> None:
     url, _, _ = engine
     client = _client(url)
