@@ -82,6 +82,35 @@ async def test_openai_sdk_through_gateway_to_simulated_engines() -> None:
         await oc.close()
 
 
+async def test_openai_sdk_conversation_goes_where_its_history_and_answer_are_cached() -> None:
+    """A conversation through the gateway: each next turn resends the answers so far, goes to
+    the engine holding the history (the router learnt the answer's blocks from that engine's
+    events) and finds the history cached there, the answers included."""
+    async with demo_stack("e2", 3) as stack:
+        oc = client(stack.url)
+        messages = [{"role": "user", "content": "Explain prefix caching in detail. " * 40}]
+        engines, cached, history_tokens = [], [], []
+        for turn in range(3):
+            raw = await oc.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=48, extra_headers={"x-kvgate-debug": "1"}
+            )
+            engines.append(raw.headers["x-kvgate-route"].split("engine=")[1].split(";")[0])
+            answer = raw.parse()
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+            history_tokens.append(answer.usage.prompt_tokens)
+            messages += [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": f"And then, part {turn + 2}?"},
+            ]
+            await asyncio.sleep(0.3)  # the engine's events reach the router
+        assert len(set(engines)) == 1
+        # each next turn: all but the last partial block of its history and the new question
+        # (64 bytes a block, 4 a token), the previous answer's 48 tokens included
+        for before, now in zip(history_tokens, cached[1:], strict=False):
+            assert now >= before + 48 - 16
+        await oc.close()
+
+
 @dataclass
 class LiveStack:
     url: str
