@@ -102,8 +102,9 @@ def _chunk_text(chunk: dict) -> str:
 def _message_text(payload: dict) -> str:
     """A unary chat answer's text."""
     choices = payload.get("choices") or ()
-    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
-    return (message or {}).get("content") or "" if isinstance(message, dict) else ""
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    message = first.get("message")
+    return (message.get("content") or "") if isinstance(message, dict) else ""
 
 
 def _resend_answers(body: dict, answers: list[str]) -> None:

@@ -273,12 +273,17 @@ class World:
         if ended is None:
             self._waiting.setdefault(before, []).append(req)
             return True
-        self._send_after(req, ended, now)
+        if ended + self._gap(req) <= req.arrival:
+            return False  # (the answer came in time: it goes at its own arrival)
+        self._send_after(req, ended)
         return True
 
-    def _send_after(self, req: Request, ended: float, now: float) -> None:
-        gap = max(req.arrival - self._scheduled[req.after or ""], 0.0)
-        sent = req.with_(arrival=max(ended + gap, now), after=None)
+    def _gap(self, req: Request) -> float:
+        """The time between ``req`` and the turn before it in the workload."""
+        return max(req.arrival - self._scheduled[req.after or ""], 0.0)
+
+    def _send_after(self, req: Request, ended: float) -> None:
+        sent = req.with_(arrival=max(ended + self._gap(req), req.arrival), after=None)
         at = self._routed_at(sent)
         self._horizon = max(self._horizon, at)
         self.loop.schedule(at, Kind.ARRIVAL, sent)
@@ -287,7 +292,7 @@ class World:
         """``request_id`` has its answer, or its refusal: the turns waiting for it are sent."""
         self._ended[request_id] = now
         for req in self._waiting.pop(request_id, ()):
-            self._send_after(req, now, now)
+            self._send_after(req, now)
 
     def _on_arrival(self, req: Request, now: float) -> None:
         if self._waits(req, now):

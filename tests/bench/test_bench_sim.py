@@ -106,6 +106,12 @@ def test_a_conversation_s_next_turn_waits_for_the_answer_it_resends() -> None:
     t0 = _turns(0.5)[0]
     history = len(t0.key()) + len(t0.answer_key())
     assert b.cached_tokens == history // 64 * 16 > len(t0.key()) // 64 * 16
+    # a long gap counts from the answer's end too (the user read it first)
+    world = _world("e2", engines=2)
+    world.run(_turns(gap=100.0))
+    a, b = sorted(world.records, key=lambda r: r.request_id)
+    assert a.ok and b.ok and b.arrival == pytest.approx(a.arrival + a.e2e_s + 100.0)
+    assert b.cached_tokens == history // 64 * 16
     # a turn whose predecessor is not in the run is sent at its own arrival
     world = _world("e2", engines=2)
     world.run(_turns(gap=0.5)[1:])
