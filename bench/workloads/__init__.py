@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 from bench.workloads import synthetic, traces
@@ -144,7 +143,7 @@ WORKLOADS: dict[str, Callable[[WorkloadOptions], list[Request]]] = {
     "long_doc_qa": _synthetic(synthetic.long_doc_qa),
     "programming": _synthetic(synthetic.programming),
     "multi_turn_chat": _synthetic(synthetic.multi_turn_chat),
-    "chat_sessions": _synthetic(partial(synthetic.multi_turn_chat, wait_for_answer=True)),
+    "chat_sessions": _synthetic(synthetic.chat_sessions),
     "preble_mix": _preble_mix,
     "qwen_mix": _qwen,
     "zipf_doc_qa": _synthetic(synthetic.zipf_doc_qa),

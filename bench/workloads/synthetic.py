@@ -12,11 +12,14 @@ exact datasets):
   then a unique problem (~400 tokens); answers ~300 tokens.
 * ``multi_turn_chat``: sessions of several turns; each turn resends the whole history (shared
   system prompt, earlier user and assistant messages) plus a new user message.
+* ``chat_sessions`` (not in Preble): the same sessions as conversations go, each turn waiting
+  for the answer before it (which the engine caches), closed-loop within a session.
 * ``zipf_doc_qa`` (not in Preble): document QA over a large library with Zipf popularity, every
   prompt opening with the same short instruction (shorter than one KV block), mixed with unique
   chat requests: more distinct documents than one engine caches, so placement decides hit rates.
 
-Arrivals are open-loop: Poisson by default, Gamma with coefficient of variation ``cv`` for bursts.
+Arrivals are open-loop (but for ``chat_sessions``' later turns): Poisson by default, Gamma with
+coefficient of variation ``cv`` for bursts.
 """
 
 from __future__ import annotations
@@ -296,6 +299,15 @@ def multi_turn_chat(
             t += rng.expovariate(1.0 / think_time_s)
     out.sort(key=lambda r: r.arrival)
     return out
+
+
+def chat_sessions(rate: float, duration: float, seed: int = 0, **kw: object) -> list[Request]:
+    """Conversations: multi_turn_chat's sessions, each turn sent when the answer before it ends.
+
+    The same requests as :func:`multi_turn_chat` (``wait_for_answer``): each turn names the one
+    before it and its own answer, which the engine caches as vLLM and SGLang cache output.
+    """
+    return multi_turn_chat(rate, duration, seed, wait_for_answer=True, **kw)  # type: ignore[arg-type]
 
 
 def zipf_doc_qa(
