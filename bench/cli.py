@@ -511,6 +511,8 @@ def _run_matrix(args: argparse.Namespace) -> int:
         return 2
     doc = run_matrix(spec, jobs=args.jobs, out=args.out, knees=knees)
     print(format_verdict(doc["verdict"]))
+    for skipped in doc.get("skipped", ()):
+        print(f"skipped (no knee): {skipped['why']}")
     if not args.no_plots:
         images = draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem)
         for path in images:

@@ -319,6 +319,11 @@ def run_cell_policy(
     return compact(result, seed=seed, scale=scale, rps=base_rate(base) * scale, slow=list(slow))
 
 
+class NoKnee(RuntimeError):
+    """The baseline's attainment crosses the knee at no rate the search tries: the combo has no
+    cells (the matrix skips it and says why)."""
+
+
 def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
     """The knee: the smallest rate scale (within ``knee_tolerance``) at which the baseline's
     attainment is below ``knee_attainment`` x its attainment at light load (1/8 of a capacity
@@ -362,8 +367,18 @@ def calibrate(spec: MatrixSpec, workload: str, fleet: int, kind: str) -> dict:
                     return None
                 s /= 2.0
             s = float(f"{s:.6g}")
-        if lo is None or hi is None:
-            raise RuntimeError(f"{workload}/{fleet}/{kind}: no knee found between the probes")
+        if hi is None:
+            raise NoKnee(
+                f"{workload}/{fleet}/{kind}: {spec.baseline} stays at or above "
+                f"{100 * target:.0f}% SLO attainment up to x{s:g} of the workload's rate: its "
+                "load does not grow with the rate (closed-loop sessions, such as chat_sessions', "
+                "or cells too small to load the fleet; run it with kvgate bench sim instead)"
+            )
+        if lo is None:
+            raise NoKnee(
+                f"{workload}/{fleet}/{kind}: {spec.baseline} stays below {100 * target:.0f}% "
+                f"SLO attainment down to x{s:g} of the workload's rate"
+            )
         while hi / lo > 1.0 + spec.knee_tolerance:
             mid = float(f"{math.sqrt(lo * hi):.6g}")
             if mid in (lo, hi):
@@ -505,7 +520,15 @@ def run_matrix(
                 task = pending.pop(fut)
                 combo = task[1]
                 if task[0] == "calibrate":
-                    knee = fut.result()
+                    try:
+                        knee = fut.result()
+                    except NoKnee as exc:
+                        total -= per_combo
+                        doc.setdefault("skipped", []).append(
+                            {"combo": _name(combo), "why": str(exc)}
+                        )
+                        log(f"matrix: skipped {exc}")
+                        continue
                     st = state[combo] = {"knee": knee, "runs": {}, "left": per_combo}
                     log(
                         f"matrix: knee {_name(combo)}: x{knee['scale']:g} = "

@@ -10,6 +10,7 @@ import pytest
 
 from bench.matrix import (
     MatrixSpec,
+    NoKnee,
     calibrate,
     compare,
     draw_heatmaps,
@@ -145,6 +146,24 @@ def test_calibration_is_deterministic() -> None:
     a = calibrate(spec, "tool_use", 4, "homo")
     b = calibrate(spec, "tool_use", 4, "homo")
     assert a["scale"] == b["scale"] and a["probes"] == b["probes"]
+
+
+def test_a_combo_without_a_knee_is_skipped_with_the_reason() -> None:
+    """A workload whose load does not grow with its rate (closed-loop conversations, cells too
+    small) has no knee: calibration says so, and the matrix skips the combo instead of failing
+    the whole run."""
+    spec = MatrixSpec(
+        workloads=("tool_use",), policies=("round_robin", "e2"), fleets=(4,), kinds=("homo",),
+        rates=(1.0,), min_requests=100, max_requests=100, min_window_s=0.0,
+        knee_attainment=0.01,  # round robin never falls below 1%
+    )  # fmt: skip
+    with pytest.raises(NoKnee, match="load does not grow with the rate"):
+        calibrate(spec, "tool_use", 4, "homo")
+    lines: list[str] = []
+    doc = run_matrix(spec, jobs=1, log=lines.append)
+    assert doc["combos"] == [] and doc["verdict"]["cells"] == 0
+    assert [s["combo"] for s in doc["skipped"]] == ["tool_use/4/homo"]
+    assert any(line.startswith("matrix: skipped tool_use/4/homo") for line in lines)
 
 
 def test_cells_span_a_minimum_window() -> None:
