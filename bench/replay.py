@@ -294,9 +294,11 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
     async with aiohttp.ClientSession(connector=connector) as session:
         start = clock()
         base = reqs[0].arrival if reqs else 0.0
-        # conversations (Request.after): each turn's task, when each one ended, and the
-        # answers each conversation got, in order (its next turns resend them)
-        arrival = {r.request_id: r.arrival for r in reqs}
+        # conversations (Request.after): the arrival of each request a later turn waits for,
+        # its task and when it ended, and the answers each conversation got, in order (its
+        # next turns resend them); nothing for a workload without conversations
+        awaited = {r.after for r in reqs if r.after is not None}
+        arrival = {r.request_id: r.arrival for r in reqs if r.request_id in awaited}
         turns: dict[str, asyncio.Task] = {}
         ended: dict[str, float] = {}
         got: dict[str, list[str]] = {}
@@ -305,7 +307,8 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
             tasks.discard(task)
             if not task.cancelled() and task.exception() is None:
                 rec = task.result()
-                ended[rec.request_id] = clock()
+                if rec.request_id in awaited:
+                    ended[rec.request_id] = clock()
                 records.append(rec)
                 progress.update(rec)
 
@@ -339,13 +342,14 @@ async def replay(requests: Sequence[Request], cfg: ReplayConfig) -> ReplayResult
             answers = got.get(req.after or "") if before is not None else None
             if answers is None and req.reply is not None:
                 answers = [""] * sum(1 for t in req.turns if t.role == "assistant")
-            if answers is not None:
-                got[req.request_id] = answers
             if before is not None:
                 task = asyncio.ensure_future(after_answer(before, req, due, answers))
             else:
                 task = asyncio.ensure_future(send_one(session, req, cfg, due, clock, answers))
-            turns[req.request_id] = task
+            if req.request_id in awaited:
+                turns[req.request_id] = task
+                if answers is not None:
+                    got[req.request_id] = answers
             tasks.add(task)
             task.add_done_callback(done)
         if tasks:

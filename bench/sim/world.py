@@ -203,8 +203,9 @@ class World:
         self.transfers_ms: list[float] = []
         self.stats = WorldStats()
         self._horizon = 0.0
-        # conversations (``Request.after``): each request's arrival in the workload, when each
-        # one ended, and the turns waiting for an answer, by the request they wait for
+        # conversations (``Request.after``): the arrival in the workload of each request a later
+        # turn waits for, when each of those ended, and the turns waiting, by the one they wait
+        # for (nothing for a workload without conversations)
         self._scheduled: dict[str, float] = {}
         self._ended: dict[str, float] = {}
         self._waiting: dict[str, list[Request]] = {}
@@ -226,7 +227,8 @@ class World:
         """
         if not requests:
             return
-        self._scheduled = {req.request_id: req.arrival for req in requests}
+        awaited = {req.after for req in requests if req.after is not None}
+        self._scheduled = {r.request_id: r.arrival for r in requests if r.request_id in awaited}
         for req in requests:
             self.loop.schedule(self._routed_at(req), Kind.ARRIVAL, req)
         last = requests[-1].arrival
@@ -290,6 +292,8 @@ class World:
 
     def _ended_request(self, request_id: str, now: float) -> None:
         """``request_id`` has its answer, or its refusal: the turns waiting for it are sent."""
+        if request_id not in self._scheduled:
+            return  # (no turn waits for it)
         self._ended[request_id] = now
         for req in self._waiting.pop(request_id, ()):
             self._send_after(req, now)

@@ -29,6 +29,7 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from bench.workloads.request import (
     DEFAULT_MODEL,
@@ -301,13 +302,13 @@ def multi_turn_chat(
     return out
 
 
-def chat_sessions(rate: float, duration: float, seed: int = 0, **kw: object) -> list[Request]:
+def chat_sessions(rate: float, duration: float, seed: int = 0, **kw: Any) -> list[Request]:
     """Conversations: multi_turn_chat's sessions, each turn sent when the answer before it ends.
 
     The same requests as :func:`multi_turn_chat` (``wait_for_answer``): each turn names the one
     before it and its own answer, which the engine caches as vLLM and SGLang cache output.
     """
-    return multi_turn_chat(rate, duration, seed, wait_for_answer=True, **kw)  # type: ignore[arg-type]
+    return multi_turn_chat(rate, duration, seed, wait_for_answer=True, **kw)
 
 
 def zipf_doc_qa(
