@@ -81,9 +81,12 @@ class Cluster(ClusterState):
             eng.epoch = env.epoch
             eng.reports_kv = False
             eng.reports_prefill_steps = False
+            eng.stored_blocks = eng.stored_key_bytes = 0  # (a new engine: maybe another model)
         if isinstance(ev, BlockStored):
             eng.reports_kv = True
             self.tree.apply_stored(env.engine_id, ev.parent_hash, ev.hashes, ev.blocks, now)
+            eng.stored_blocks += len(ev.blocks)
+            eng.stored_key_bytes += sum(map(len, ev.blocks))
             eng.view = None
         elif isinstance(ev, BlockRemoved):
             eng.reports_kv = True
@@ -95,6 +98,7 @@ class Cluster(ClusterState):
         elif isinstance(ev, LoadHeartbeat):
             if eng.heartbeat is None or eng.heartbeat.profile != ev.profile:
                 eng.profile = self._profile(ev.profile)
+                eng.stored_blocks = eng.stored_key_bytes = 0  # (its block size may differ)
                 self._membership += 1  # the eligible sets cache their profiles
             if now - eng.last_heartbeat > self.config.heartbeat_ttl_s:
                 self._membership += 1  # (re)joins the eligible sets
@@ -363,7 +367,7 @@ class Cluster(ClusterState):
                     holders += 1
         prefill = p.prefill_ms(missed, cached) + (p.prefill_ms(cached) / holders if cached else 0)
         prefill *= eng.speed.prefill
-        entry = [now, engine_id, group, prefill, req.max_tokens]
+        entry = [now, engine_id, group, prefill, req.max_tokens, key_len]
         self._load.append(entry)
         eng.load_prefill_ms += prefill
         eng.load_out_tokens += req.max_tokens
@@ -377,6 +381,14 @@ class Cluster(ClusterState):
         g.requests += 1
         if key_len > g.key_bytes:
             g.key_bytes = key_len
+        g.key_sum += key_len
+        # a request of a prefix reused there found less of it cached (as the engine's block
+        # events say: the router's own entries outlive an eviction) than an earlier one did:
+        # the engine evicted a prefix it reuses (rebalancing may relieve its cache)
+        held = match.per_engine.get(engine_id, 0)
+        self.reuse_missed_on = engine_id if g.requests > 1 and held < g.shared else None
+        if held > g.shared:
+            g.shared = held
         g.entries.append(entry)
         self._note_group(eng, group, g)
         self._hits.append((now, engine_id, mine, key_len))
@@ -508,6 +520,8 @@ class Cluster(ClusterState):
                     d.out_tokens += g.out_tokens
                     d.requests += g.requests
                     d.key_bytes = max(d.key_bytes, g.key_bytes)
+                    d.key_sum += g.key_sum
+                    d.shared = max(d.shared, g.shared)
                     d.entries = deque(sorted((*d.entries, *g.entries), key=lambda e: e[0]))
                 self._note_group(dst, mv.group, d)
             self._overrides[mv.group] = (mv.dst, until)
@@ -522,7 +536,7 @@ class Cluster(ClusterState):
         horizon = now - c.window_s
         load = self._load
         while load and load[0][0] < horizon:
-            t, engine_id, group, prefill, out = load.popleft()
+            t, engine_id, group, prefill, out, key_len = load.popleft()
             eng = self.engines.get(engine_id)
             if eng is None:
                 continue
@@ -537,6 +551,7 @@ class Cluster(ClusterState):
                 g.prefill_ms -= prefill
                 g.out_tokens -= out
                 g.requests -= 1
+                g.key_sum -= key_len
                 dq = g.entries
                 if dq and dq[0][0] == t and dq[0][3] == prefill:
                     dq.popleft()

@@ -128,7 +128,11 @@ class ClusterState:
         self.spec = Speculative(c.speculative_max_entries)
         self.engines: dict[str, _Engine] = {}
         self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
-        self._load: deque[list] = deque()  # [t, engine, group, prefill_ms, out_tokens]
+        # [t, engine, group, prefill_ms, out_tokens, key bytes]
+        self._load: deque[list] = deque()
+        # the engine the last routed request went to, when there it missed part of a prefix
+        # its group reuses there (else None)
+        self.reuse_missed_on: str | None = None
         self._ttfts: dict[int, deque] = {}  # group -> (t, ttft_ms)
         self._ttft_order: deque[tuple[float, int]] = deque()
         self._hits: deque[tuple[float, str, int, int]] = deque()  # (t, engine, matched, key len)
@@ -284,9 +288,10 @@ class ClusterState:
 
     @staticmethod
     def capacity_bytes(eng: _Engine) -> int:
-        """The engine's KV cache in key bytes (its heartbeat's blocks, else its profile's)."""
+        """The engine's KV cache in key bytes: its heartbeat's blocks (else its profile's) of
+        the key bytes its blocks hold (``_Engine.block_bytes``)."""
         hb = eng.heartbeat
-        return (hb.kv_blocks_total if hb else eng.profile.kv_blocks) * eng.profile.block_bytes
+        return int((hb.kv_blocks_total if hb else eng.profile.kv_blocks) * eng.block_bytes())
 
     def engine_view(self, eng: _Engine) -> EngineView:
         v = eng.view
@@ -294,7 +299,8 @@ class ClusterState:
             p = eng.profile
             hb = eng.heartbeat
             capacity = self.capacity_bytes(eng)
-            used = hb.kv_blocks_used * p.block_bytes if hb else 0
+            block_bytes = eng.block_bytes()
+            used = int(hb.kv_blocks_used * block_bytes) if hb else 0
             held = self.tree.held_bytes.get(eng.engine_id, 0)
             v = eng.view = EngineView(
                 engine_id=eng.engine_id,
@@ -332,7 +338,9 @@ class ClusterState:
                 open_inv_tpot=sum(n / t for t, n in eng.open_tpots.items() if t > 0),
                 decode_inv_tpot=sum(n / t for t, n in eng.decode_tpots.items() if t > 0),
                 role=eng.role,
-                unannounced_bytes=max(eng.open_prefill_tokens, 0) * p.bytes_per_token,
+                unannounced_bytes=int(
+                    max(eng.open_prefill_tokens, 0) * block_bytes / p.block_tokens
+                ),
                 arrival_order=hb is not None and hb.queue_order == "arrival",
             )
         return v

@@ -114,9 +114,32 @@ class View:
             busiest.view or cl.engine_view(busiest),
         )
 
+    def most_loaded(self, count: int, window: bool = False) -> list[EngineView]:
+        """The ``count`` most loaded candidates by ``load_ms`` (``window``: ``window_ms``),
+        the most loaded first (a walk from the end of the sorted order)."""
+        cl = self._cluster
+        cl._sync_loads()
+        ids = (cl._by_window if window else cl._by_load).ids
+        eligible = self._eligible
+        exclude = self._exclude
+        out: list[EngineView] = []
+        for j in range(len(ids) - 1, -1, -1):
+            if len(out) >= count:
+                break
+            eng = eligible.get(ids[j])
+            if eng is not None and (not exclude or ids[j] not in exclude):
+                out.append(eng.view or cl.engine_view(eng))
+        return out
+
     def routed_total(self) -> int:
         """The requests ever routed, to any engine (E2's warm-up)."""
         return self._cluster.routed_total
+
+    def reuse_missed_on(self) -> str | None:
+        """The engine the request just routed went to, if it found less of its prefix group's
+        shared part cached there than an earlier request of the group did (that engine
+        evicted a prefix it reuses); else None."""
+        return self._cluster.reuse_missed_on
 
     def profiles(self) -> tuple[CostProfile, ...]:
         """The distinct cost profiles among the candidates (or a superset)."""
@@ -369,40 +392,60 @@ class View:
         if not found:
             return
         top_work = eng.groups[best]
-        yield GroupLoad(best, best_load, top_work.requests, top_work.key_bytes)
+        yield GroupLoad(best, best_load, top_work.requests, top_work.key_bytes, top_work.written())
         # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
         # without generic rich comparisons), group id ascending, then stably by load descending
         groups: list[int] = []
         loads: list[float] = []
         requests: list[int] = []
         sizes: list[int] = []
+        writes: list[int] = []
         for g, w in eng.groups.items():
             if g != best and listed(g, w):
                 groups.append(g)
                 loads.append(w.load_ms(tpot))
                 requests.append(w.requests)
                 sizes.append(w.key_bytes)
+                writes.append(w.written())
         order = sorted(range(len(groups)), key=groups.__getitem__)
         order.sort(key=loads.__getitem__, reverse=True)
         for i in order:
-            yield GroupLoad(groups[i], loads[i], requests[i], sizes[i])
+            yield GroupLoad(groups[i], loads[i], requests[i], sizes[i], writes[i])
 
-    def cache_room(self, engine_id: str, min_requests: int) -> int:
-        """Key bytes of ``engine_id``'s KV cache that its reused prefixes do not need: its
-        capacity minus the longest key of each prefix group with at least ``min_requests``
-        requests there in the window (groups rebalanced elsewhere left out). What a group
-        moved there can take without pushing a reused prefix out of its LRU."""
+    def cache_room(
+        self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
+    ) -> int:
+        """Key bytes of ``engine_id``'s KV cache that a prefix reused ``reuses`` times in the
+        window (its requests writing ``writes`` bytes that nothing reuses) can take without
+        pushing a reused prefix out of the engine's LRU between two of its uses: its capacity,
+        less the longest key of each prefix group with at least ``min_requests`` requests
+        there in the window (groups rebalanced elsewhere left out), less what the engine
+        writes that nothing reuses (one-off keys, the tails past a group's shared part: each
+        group's ``written``, and ``writes``) in the time between two uses of the least reused
+        of those prefixes and this one, the window's writes over its uses (every prefix more
+        reused is touched in that time, so it is above it in the LRU). ``reuses`` None: the
+        writes are not counted (the capacity less the reused prefixes' keys)."""
         cl = self._cluster
         eng = cl.engines.get(engine_id)
         if eng is None:
             return 0
         overrides = cl._overrides
-        hot = sum(
-            w.key_bytes
-            for g, w in eng.groups.items()
-            if _lives_here(overrides, engine_id, g, w, min_requests)
-        )
-        return cl.capacity_bytes(eng) - hot
+        hot = 0
+        fewest = reuses if reuses is not None else 0
+        written = writes
+        for g, w in eng.groups.items():
+            o = overrides.get(g) if overrides else None
+            if o is not None and o[0] != engine_id:
+                continue  # rebalanced elsewhere: history, its requests no longer come here
+            written += w.written()
+            if w.requests >= min_requests and w.requests > 0:
+                hot += w.key_bytes
+                if w.requests < fewest or not fewest:
+                    fewest = w.requests
+        room = cl.capacity_bytes(eng) - hot
+        if reuses is not None and fewest > 0:
+            room -= written // fewest
+        return room
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         dq = self._cluster._ttfts.get(group)

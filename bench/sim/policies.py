@@ -28,6 +28,8 @@ ALIASES: dict[str, str] = {
     "e2-early-rebalance": "e2[significant_warmup=true]",
     "e2-band-moves-only": "e2[follow_spare=false]",
     "e2-no-spare-replica": "e2[replicate_to_spare=false]",
+    "e2-room-by-frequency": "e2[room_beside_all_reused=false]",
+    "e2-lru-room": "e2[room_for_writes=true,relieve_thrash=true]",
     "e2-admission": "e2[shed_expected=true]",
 }
 

@@ -195,6 +195,7 @@ class GroupLoad:
     load_ms: float
     requests: int
     key_bytes: int = 0
+    written: int = 0  # key bytes its requests wrote that nothing reuses (_GroupWork.written)
 
     def __init__(
         self,
@@ -202,11 +203,13 @@ class GroupLoad:
         load_ms: float,
         requests: int,
         key_bytes: int = 0,
+        written: int = 0,
     ) -> None:
         self.group = group
         self.load_ms = load_ms
         self.requests = requests
         self.key_bytes = key_bytes
+        self.written = written
 
 
 @dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
@@ -269,8 +272,18 @@ class ClusterView(Protocol):
         ``window_ms``); equal loads: the lowest position for both (None: no candidate)."""
         ...
 
+    def most_loaded(self, count: int, window: bool = False) -> list[EngineView]:
+        """The ``count`` most loaded candidates by ``load_ms`` (``window``: by ``window_ms``),
+        the most loaded first."""
+        ...
+
     def routed_total(self) -> int:
         """The requests ever routed, to any engine."""
+        ...
+
+    def reuse_missed_on(self) -> str | None:
+        """The engine the request just routed went to, if it found less of its prefix group's
+        shared part cached there than an earlier request of the group did; else None."""
         ...
 
     def profiles(self) -> Sequence[CostProfile]:
@@ -346,9 +359,14 @@ class ClusterView(Protocol):
         few samples)."""
         ...
 
-    def cache_room(self, engine_id: str, min_requests: int) -> int:
+    def cache_room(
+        self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
+    ) -> int:
         """Key bytes of the engine's KV cache not needed by its prefix groups with at least
-        ``min_requests`` requests in the window (its capacity minus their longest keys)."""
+        ``min_requests`` requests in the window (its capacity minus their longest keys) nor,
+        given ``reuses``, by what the engine writes that nothing reuses between two uses of
+        the least reused of them and a prefix reused ``reuses`` times, whose requests write
+        ``writes`` such bytes (router.view.View.cache_room)."""
         ...
 
 

@@ -92,10 +92,12 @@ engine *when would this request's first token come out there, and what does it c
   is mostly uncached prefers an engine whose recent work is mostly cached (decode-heavy): a real
   GPU overlaps prefill with memory-bound decode, which kvgate's simulated engine does not model.
 * Rebalancing (Preble's; ``rebalance``, on): after each decision, once ``warmup_requests`` an
-  engine have been routed on average, when the busiest engine's windowed load is
-  ``rebalance_ratio`` x the least busy's, move prefix groups off it to the least busy engine
-  that is not slower (``SAME_SPEED``) and has room for them in its cache beside the prefixes
-  reused there (the next least busy, as long as it is still ``rebalance_ratio`` x less busy),
+  engine have been routed on average, when the busiest engine's windowed load (output tokens
+  priced at one TPOT: :func:`_busiest_on_one_clock`) is ``rebalance_ratio`` x the least
+  busy's, move prefix groups off it to the least busy engine that is not slower
+  (``SAME_SPEED``) and has room for them in its cache beside every prefix reused there, in the
+  key bytes its blocks hold (the next least busy, as long as it is still ``rebalance_ratio`` x
+  less busy),
   and replicate a hot prefix whose TTFT doubled. A moved or replicated group's requests go to
   its new engine only when that engine is in the tie band: where the cost finds it as good as
   the best. A prefix is placed when its first request comes, before its popularity shows; at
@@ -141,7 +143,8 @@ engine *when would this request's first token come out there, and what does it c
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
 ``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
 ``prefer_feasible``, ``pd_balance``, ``rebalance=false``, ``follow_spare=false``,
-``significant_warmup``, ``replicate_to_spare=false``.
+``significant_warmup``, ``replicate_to_spare=false``, ``room_beside_all_reused=false``,
+``room_for_writes``, ``relieve_thrash``.
 """
 
 from __future__ import annotations
@@ -215,6 +218,20 @@ class E2Config:
     # to spare, which copies the prefix, where the requests of the prefix expected while the
     # congestion lasts repay the copy (off: new copies only where the cost alone finds them)
     replicate_to_spare: bool = True
+    # a group moves only where it fits beside every prefix reused there (off: beside the ones
+    # reused at least as often as it, the others making way; but their requests keep coming
+    # there, and the cache thrashes; docs/router.md)
+    room_beside_all_reused: bool = True
+    # ... and beside what the engine writes that nothing reuses (one-off keys, the tails of
+    # shared prefixes) between two uses of the least reused prefix there: an LRU keeps a
+    # prefix only if that fits beside the prefixes reused more (off: the keys alone; on, the
+    # vLLM replica gained 0.0017 of hit rate but kept an engine over 45% of the requests in 14
+    # of 200 runs against 5, and the real engines gained nothing: docs/router.md)
+    room_for_writes: bool = False
+    # when a request misses part of a prefix reused on its engine, and that engine's reused
+    # prefixes and what it writes besides do not fit its KV, move the least reused of them to
+    # an engine with room for it (off: moves for load alone; measured with room_for_writes)
+    relieve_thrash: bool = False
     rebalance_ratio: float = 1.5
     warmup_requests: int = 50
     # before the warm-up, rebalance an imbalance that is no chance (``significant``; off: on
@@ -628,6 +645,12 @@ class E2(PolicyBase):
         cfg = self.config
         if not cfg.rebalance or len(view.engines) < 2:
             return ()
+        if cfg.relieve_thrash:
+            thrashing = view.reuse_missed_on()
+            if thrashing is not None:
+                relief = self._relieve(view, thrashing)
+                if relief:
+                    return relief
         # warm-up: ``warmup_requests`` per engine on average (the fewest routed to any one
         # engine, as this read before, never reaches it on the engine a pinned layout starves:
         # the very imbalance rebalancing is for); before it, only a significant imbalance
@@ -635,10 +658,9 @@ class E2(PolicyBase):
         warm = view.routed_total() >= cfg.warmup_requests * len(view.engines)
         if not (warm or cfg.significant_warmup):
             return ()
-        extremes = view.load_extremes(window=True)
-        if extremes is None:
+        busiest = _busiest_on_one_clock(view.most_loaded(REBALANCE_TARGETS, window=True))
+        if busiest is None:
             return ()
-        busiest = extremes[1]
         hi = busiest.window_ms
         if hi <= 0.0:
             return ()
@@ -671,6 +693,43 @@ class E2(PolicyBase):
                 return moves
         return ()
 
+    def _relieve(self, view: ClusterView, engine_id: str) -> tuple[Move, ...]:
+        """``relieve_thrash``: a move of the least reused prefix group that fits elsewhere off
+        ``engine_id``, where a request just missed part of a prefix reused there, if its
+        reused prefixes and what it writes that nothing reuses do not fit its KV
+        (:meth:`View.cache_room <router.view.View.cache_room>` below 0: its LRU drops the least
+        reused between two of its uses, whose every request then prefills it again and drops
+        the next), to the least busy engine (of the ``REBALANCE_TARGETS`` least busy) that is
+        not the busiest, not slower and has room for it. Preble moves work only off the
+        busiest engine; the engine that thrashes is often the quietest, holding the cold tail
+        of the prefixes (on three vLLM engines of 64 KV blocks, six of twelve documents, its
+        own hit rate 0.77)."""
+        cfg = self.config
+        reused = cfg.min_group_requests
+        if view.cache_room(engine_id, reused, 1 << 30) >= 0:
+            return ()  # (the miss was not for lack of room)
+        src = view.engine(engine_id)
+        extremes = view.load_extremes(window=True)
+        if src is None or extremes is None:
+            return ()
+        busiest = extremes[1].engine_id
+        targets = [
+            ev
+            for ev in islice(view.by_load(window=True), REBALANCE_TARGETS)
+            if ev.engine_id not in (engine_id, busiest)
+            and ev.prefill_scale <= SAME_SPEED * src.prefill_scale
+        ]
+        # the least reused first (the LRU drops it first); one reused too rarely to stay in
+        # any cache there is no use moving, so the next
+        groups = [g for g in view.groups_on(engine_id, reused) if g.requests >= reused]
+        groups.sort(key=lambda g: (g.requests, g.load_ms))
+        for g in groups:
+            for ev in targets:
+                room = view.cache_room(ev.engine_id, reused, g.requests, g.written)
+                if g.key_bytes <= room:
+                    return (Move(g.group, engine_id, ev.engine_id),)
+        return ()
+
     def _moves(
         self, view: ClusterView, busiest: EngineView, least: EngineView, now: float
     ) -> tuple[Move, ...]:
@@ -700,13 +759,19 @@ class E2(PolicyBase):
                 ):
                     moves.append(Move(g.group, busiest.engine_id, least.engine_id, "replicate"))
                 continue
-            # only where its prefix fits beside the prefixes reused there at least as often: a
-            # group moved onto a full cache evicts them, and each is prefilled again (on three
-            # vLLM engines of 64 KV blocks, moves without this check cost up to 0.06 of hit
-            # rate); the ones reused less often may make way (their misses cost less)
-            if g.key_bytes > view.cache_room(
-                least.engine_id, max(g.requests, cfg.min_group_requests)
-            ):
+            # only where its prefix fits beside every prefix reused there: a group moved onto a
+            # full cache evicts one of them, whose requests still come there and evict another
+            # in turn (on three vLLM engines of 64 KV blocks, moves without this check cost up
+            # to 0.06 of hit rate; letting the prefixes reused less often than the moved one
+            # make way, as before the thirty-third session, thrashed the same way: docs/router.md)
+            reused = cfg.min_group_requests
+            if not cfg.room_beside_all_reused:
+                reused = max(g.requests, reused)
+            if cfg.room_for_writes:
+                room = view.cache_room(least.engine_id, reused, g.requests, g.written)
+            else:
+                room = view.cache_room(least.engine_id, reused)
+            if g.key_bytes > room:
                 continue
             moves.append(Move(g.group, busiest.engine_id, least.engine_id))
             hi -= g.load_ms
@@ -728,6 +793,36 @@ def _busier_on_one_clock(busiest: EngineView, least: EngineView, ratio: float) -
     hi = busiest.window_ms + busiest.window_out_tokens * (clock - busiest.tpot_ms)
     lo = least.window_ms + least.window_out_tokens * (clock - least.tpot_ms)
     return hi > 0.0 and hi >= ratio * lo
+
+
+def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
+    """Of the most loaded engines by windowed load (``tops``, the most loaded first), the
+    busiest with every output token priced at one TPOT (the mean of theirs), among those of
+    the first one's speed class (a slower engine's TPOT is its own speed, not contention).
+    Behind the vLLM bridge a measured TPOT counts the prefill chunks in the engine's steps:
+    of three identical engines, the one with 73 requests (a group just moved there, its TPOT
+    8.6 ms) read busier than the one with 149 (5.9 ms), and rebalancing never looked at the
+    one with half the requests."""
+    if not tops:
+        return None
+    first = tops[0]
+    same = [
+        e
+        for e in tops
+        if e.prefill_scale <= SAME_SPEED * first.prefill_scale
+        and first.prefill_scale <= SAME_SPEED * e.prefill_scale
+    ]
+    if len(same) < 2:
+        return first
+    clock = sum(e.tpot_ms for e in same) / len(same)
+    best = first
+    most = first.window_ms + first.window_out_tokens * (clock - first.tpot_ms)
+    for e in same[1:]:
+        load = e.window_ms + e.window_out_tokens * (clock - e.tpot_ms)
+        # (equal loads: the lowest position, as ``load_extremes``)
+        if load > most or (load == most and e.position < best.position):
+            best, most = e, load
+    return best
 
 
 def significant(busiest: int, least: int) -> bool:

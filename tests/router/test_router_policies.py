@@ -86,6 +86,7 @@ class FakeView:
     releases: dict[str, float] = field(default_factory=dict)
     sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
     rooms: dict[str, int] = field(default_factory=dict)  # cache_room's answer (default: ample)
+    missed_on: str | None = None  # reuse_missed_on's answer
     asked: list[float] = field(default_factory=list)  # the SLOs share_due_sooner was asked
     # routed_ahead's answer: key bytes a request in flight there computes first (default none)
     ahead: dict[str, int] = field(default_factory=dict)
@@ -109,6 +110,12 @@ class FakeView:
 
         return iter(sorted(self.engines, key=lambda e: (load(e), e.position)))
 
+    def most_loaded(self, count: int, window: bool = False) -> list[EngineView]:
+        def load(e: EngineView) -> float:
+            return e.window_ms if window else e.load_ms
+
+        return sorted(self.engines, key=lambda e: (-load(e), e.position))[:count]
+
     def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
         def load(e: EngineView) -> float:
             return e.window_ms if window else e.load_ms
@@ -119,6 +126,9 @@ class FakeView:
 
     def routed_total(self) -> int:
         return sum(e.routed_total for e in self.engines)
+
+    def reuse_missed_on(self) -> str | None:
+        return self.missed_on
 
     def profiles(self) -> list[CostProfile]:
         return list({ev.profile.name: ev.profile for ev in self.engines}.values())
@@ -154,7 +164,9 @@ class FakeView:
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         return self.halves.get(group, (0.0, 0.0))
 
-    def cache_room(self, engine_id: str, min_requests: int) -> int:
+    def cache_room(
+        self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
+    ) -> int:
         return self.rooms.get(engine_id, 1 << 40)
 
 
@@ -744,6 +756,79 @@ def test_e2_moves_only_a_group_that_fits_in_the_least_busy_engine_s_cache() -> N
     assert [(m.group, m.dst) for m in moves] == [(12, "idle")]
     view.rooms["idle"] = 1000  # room for neither: no move
     assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0) == ()
+
+
+def test_e2_moves_a_group_only_beside_every_prefix_reused_there() -> None:
+    """A group moved onto a cache full of prefixes reused less often than it evicts one of
+    them, but that prefix's requests still come there (it is held nowhere else) and evict
+    another in turn: on the replica of the vLLM benchmark the engine holding the documents'
+    cold tail thrashed. So the room a move needs is beside every prefix reused there."""
+
+    class Reused(FakeView):
+        def cache_room(
+            self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
+        ) -> int:
+            # the idle engine: 4 KiB, three prefixes of 1 KiB reused 3 times each
+            if engine_id != "idle":
+                return 1 << 40
+            reused = 3  # requests each of the three prefixes has there
+            return 4096 - sum(1024 for _ in range(3) if reused >= min_requests)
+
+    def view() -> Reused:
+        engines = [ev("busy", load=300.0), ev("idle", load=100.0)]
+        # group 11: reused 5 times, its key 2 KiB (more than the 1 KiB beside all three)
+        return Reused(engines, groups={"busy": [GroupLoad(11, 60.0, 5, 2048)]})
+
+    assert make_policy("e2", REBALANCE).rebalance(ctx(), view(), 0.0) == ()
+    # before the thirty-third session the prefixes reused less often made way
+    old = make_policy("e2", REBALANCE | {"room_beside_all_reused": False})
+    assert [(m.group, m.dst) for m in old.rebalance(ctx(), view(), 0.0)] == [(11, "idle")]
+
+
+def test_e2_relieves_a_thrashing_cache_by_moving_its_least_reused_prefix() -> None:
+    """An engine whose reused prefixes and what it writes besides do not fit its KV (its
+    room below 0), where a request just missed part of a prefix reused there, moves the least
+    reused of them that fits elsewhere to the least busy engine with room: not to the
+    busiest, and nothing when the cache fits (the miss had another cause) or no request
+    missed. Preble moves only off the busiest engine; the engine that thrashes is often the
+    quietest, holding the cold tail. (Off by default: measured no gain on real vLLM.)"""
+
+    def view(**kw) -> FakeView:
+        engines = [ev("cold", load=100.0), ev("mid", load=150.0), ev("hot", load=200.0)]
+        groups = {"cold": [GroupLoad(31, 60.0, 9, 600), GroupLoad(32, 20.0, 3, 600),
+                           GroupLoad(33, 40.0, 5, 600)]}  # fmt: skip
+        return FakeView(engines, groups=groups, **kw)
+
+    # (off by default: docs/router.md; before the warm-up: 300 routed on 3 engines)
+    e2 = make_policy("e2", REBALANCE | {"relieve_thrash": True})
+    thrashing = view(missed_on="cold", rooms={"cold": -500})
+    moves = e2.rebalance(ctx(), thrashing, 0.0)
+    assert [(m.group, m.src, m.dst) for m in moves] == [(32, "cold", "mid")]
+    # no group fits on the only target (the busiest is never one)
+    too_small = view(missed_on="cold", rooms={"cold": -500, "mid": 500})
+    assert e2.rebalance(ctx(), too_small, 0.0) == ()
+    # no request missed a reused prefix, or the cache fits: no move
+    assert e2.rebalance(ctx(), view(rooms={"cold": -500}), 0.0) == ()
+    assert e2.rebalance(ctx(), view(missed_on="cold", rooms={"cold": 10}), 0.0) == ()
+    off = make_policy("e2", REBALANCE)
+    assert off.rebalance(ctx(), view(missed_on="cold", rooms={"cold": -500}), 0.0) == ()
+
+
+def test_e2_finds_the_busiest_engine_with_output_tokens_priced_on_one_clock() -> None:
+    """Behind the vLLM bridge a measured TPOT counts the prefill chunks in the engine's steps:
+    the engine a group was just moved to (73 requests, TPOT 8.6 ms) read busier by windowed
+    load than the one with 149 (5.9 ms), and rebalancing only ever looked at the former. The
+    busiest is now read with every output token at one TPOT (the mean of the most loaded)."""
+
+    def eng(name: str, window: float, tpot: float, out: int) -> EngineView:
+        return replace(ev(name, load=window), tpot_ms=tpot, window_out_tokens=out)
+
+    view = FakeView(
+        [eng("a", 7584.0, 5.9, 1000), eng("b", 7724.0, 8.6, 600), eng("c", 4933.0, 6.3, 600)],
+        groups={"a": [GroupLoad(41, 1500.0, 20, 600)], "b": [GroupLoad(51, 1000.0, 10, 600)]},
+    )
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
+    assert [(m.group, m.src, m.dst) for m in moves] == [(41, "a", "c")]
 
 
 def test_e2_moves_to_the_next_least_busy_engine_when_the_least_has_no_room() -> None:
