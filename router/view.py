@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from kvgate.cost_model import CostProfile
 from router.cluster_state import ClusterState
-from router.engine_state import _Engine, _GroupWork
+from router.engine_state import _GroupWork
 from router.policies.base import EngineView, GroupLoad, Rng
 from router.tree import lcp_at
 
@@ -59,7 +59,7 @@ class View:
         """Candidates by ``(load_ms, position)`` (``window``: ``window_ms``), ascending
         (``position`` is the registration order, the order of :attr:`engines`). Lazy: reading
         the first few costs a few steps, not a pass over every engine (the most loaded:
-        :meth:`load_extremes`)."""
+        :meth:`most_loaded`)."""
         cl = self._cluster
         cl._sync_loads()
         eligible = self._eligible
@@ -70,53 +70,11 @@ class View:
             if eng is not None and engine_id not in exclude:
                 yield eng.view or view(eng)
 
-    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
-        """The least and the most loaded candidates by ``load_ms`` (``window``: ``window_ms``),
-        equal loads resolved to the lowest position for both (as ``min``/``max`` over
-        :attr:`engines`); None without candidates. Direct index walks from both ends of the
-        sorted order: rebalancing asks after every decision, and two generators (one over a
-        ``reversed`` list) cost more than the answer."""
-        cl = self._cluster
-        cl._sync_loads()
-        order = cl._by_window if window else cl._by_load
-        ids = order.ids
-        loads = order.loads
-        eligible = self._eligible
-        exclude = self._exclude
-        n = len(ids)
-        i = 0
-        least: _Engine | None = None
-        while i < n:
-            least = eligible.get(ids[i])
-            if least is not None and (not exclude or ids[i] not in exclude):
-                break
-            least = None
-            i += 1
-        if least is None:
-            return None
-        j = n - 1
-        busiest = least
-        while j > i:
-            eng = eligible.get(ids[j])
-            if eng is not None and (not exclude or ids[j] not in exclude):
-                busiest = eng
-                break
-            j -= 1
-        top = loads[j]
-        k = j - 1
-        while k >= i and loads[k] == top:  # equal loads sort by position: the first of them
-            eng = eligible.get(ids[k])
-            if eng is not None and (not exclude or ids[k] not in exclude):
-                busiest = eng
-            k -= 1
-        return (
-            least.view or cl.engine_view(least),
-            busiest.view or cl.engine_view(busiest),
-        )
-
     def most_loaded(self, count: int, window: bool = False) -> list[EngineView]:
         """The ``count`` most loaded candidates by ``load_ms`` (``window``: ``window_ms``),
-        the most loaded first (a walk from the end of the sorted order)."""
+        the most loaded first: a walk from the end of the sorted order (equal loads come the
+        highest position first), a few steps rather than a pass over every engine (rebalancing
+        asks after every decision)."""
         cl = self._cluster
         cl._sync_loads()
         ids = (cl._by_window if window else cl._by_load).ids

@@ -267,14 +267,9 @@ class ClusterView(Protocol):
         lazily: policies read the first few instead of scoring all."""
         ...
 
-    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
-        """The least and the most loaded candidates by ``load_ms`` (``window``: by
-        ``window_ms``); equal loads: the lowest position for both (None: no candidate)."""
-        ...
-
     def most_loaded(self, count: int, window: bool = False) -> list[EngineView]:
         """The ``count`` most loaded candidates by ``load_ms`` (``window``: by ``window_ms``),
-        the most loaded first."""
+        the most loaded first (equal loads: the highest position first)."""
         ...
 
     def routed_total(self) -> int:

@@ -709,14 +709,13 @@ class E2(PolicyBase):
         if view.cache_room(engine_id, reused, 1 << 30) >= 0:
             return ()  # (the miss was not for lack of room)
         src = view.engine(engine_id)
-        extremes = view.load_extremes(window=True)
-        if src is None or extremes is None:
+        top = _busiest_on_one_clock(view.most_loaded(REBALANCE_TARGETS, window=True))
+        if src is None or top is None:
             return ()
-        busiest = extremes[1].engine_id
         targets = [
             ev
             for ev in islice(view.by_load(window=True), REBALANCE_TARGETS)
-            if ev.engine_id not in (engine_id, busiest)
+            if ev.engine_id not in (engine_id, top.engine_id)
             and ev.prefill_scale <= SAME_SPEED * src.prefill_scale
         ]
         # the least reused first (the LRU drops it first); one reused too rarely to stay in
@@ -819,7 +818,7 @@ def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
     most = first.window_ms + first.window_out_tokens * (clock - first.tpot_ms)
     for e in same[1:]:
         load = e.window_ms + e.window_out_tokens * (clock - e.tpot_ms)
-        # (equal loads: the lowest position, as ``load_extremes``)
+        # (equal loads: the lowest position)
         if load > most or (load == most and e.position < best.position):
             best, most = e, load
     return best

@@ -606,11 +606,12 @@ def test_groups_on_lists_movable_groups_heaviest_first() -> None:
     st.frozensets(st.sampled_from([f"e{i}" for i in range(8)]), max_size=3),
     st.booleans(),
 )
-def test_load_extremes_equal_min_and_max_over_the_candidates(
+def test_most_loaded_equals_a_sort_of_the_candidates(
     routed: list[int], exclude: frozenset[str], window: bool
 ) -> None:
-    """The least and the busiest candidate as ``min``/``max`` over the view's engines pick
-    them (equal loads: the first in engine order), excluded engines left out."""
+    """The most loaded candidates, read from the end of the cluster's load order, are the
+    first of the candidates sorted by load descending (equal loads: the last in engine order
+    first), excluded engines left out."""
     f = Fleet(n=len(routed))
     cl = f.router.cluster
     n = 0
@@ -623,14 +624,10 @@ def test_load_extremes_equal_min_and_max_over_the_candidates(
     req = RouteRequest("x", "m", b"x", 1, 1, exclude=exclude)
     engines = cl.candidates(req, 1.0)
     view = View(cl, engines, {}, f.router.rng, model="m", exclude=exclude, now=1.0)
-    got = view.load_extremes(window=window)
-    if not engines:
-        assert got is None
-        return
+    got = [e.engine_id for e in view.most_loaded(3, window=window)]
     load = (lambda e: e.window_ms) if window else (lambda e: e.load_ms)
-    assert got is not None
-    assert got[0].engine_id == min(engines, key=load).engine_id
-    assert got[1].engine_id == max(engines, key=load).engine_id
+    want = sorted(engines, key=lambda e: (-load(e), -e.position))[:3]
+    assert got == [e.engine_id for e in want]
 
 
 def test_a_decisions_candidates_read_late_equal_those_read_at_once() -> None:

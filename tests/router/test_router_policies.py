@@ -114,15 +114,7 @@ class FakeView:
         def load(e: EngineView) -> float:
             return e.window_ms if window else e.load_ms
 
-        return sorted(self.engines, key=lambda e: (-load(e), e.position))[:count]
-
-    def load_extremes(self, window: bool = False) -> tuple[EngineView, EngineView] | None:
-        def load(e: EngineView) -> float:
-            return e.window_ms if window else e.load_ms
-
-        if not self.engines:
-            return None
-        return min(self.engines, key=load), max(self.engines, key=load)  # first of equals
+        return sorted(self.engines, key=lambda e: (-load(e), -e.position))[:count]
 
     def routed_total(self) -> int:
         return sum(e.routed_total for e in self.engines)
