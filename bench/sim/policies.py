@@ -30,6 +30,7 @@ ALIASES: dict[str, str] = {
     "e2-no-spare-replica": "e2[replicate_to_spare=false]",
     "e2-room-by-frequency": "e2[room_beside_all_reused=false]",
     "e2-lru-room": "e2[room_for_writes=true,relieve_thrash=true]",
+    "e2-by-lifetime": "e2[by_lifetime=true]",
     "e2-admission": "e2[shed_expected=true]",
 }
 
