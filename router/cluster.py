@@ -386,9 +386,9 @@ class Cluster(ClusterState):
         # events say: the router's own entries outlive an eviction) than an earlier one did:
         # the engine evicted a prefix it reuses (rebalancing may relieve its cache)
         held = match.per_engine.get(engine_id, 0)
-        self.reuse_missed_on = engine_id if g.requests > 1 and held < g.shared else None
-        if held > g.shared:
-            g.shared = held
+        self.reuse_missed_on = engine_id if g.requests > 1 and held < g.reused_bytes else None
+        if held > g.reused_bytes:
+            g.reused_bytes = held
         g.entries.append(entry)
         self._note_group(eng, group, g)
         self._hits.append((now, engine_id, mine, key_len))
@@ -521,7 +521,7 @@ class Cluster(ClusterState):
                     d.requests += g.requests
                     d.key_bytes = max(d.key_bytes, g.key_bytes)
                     d.key_sum += g.key_sum
-                    d.shared = max(d.shared, g.shared)
+                    d.reused_bytes = max(d.reused_bytes, g.reused_bytes)
                     d.entries = deque(sorted((*d.entries, *g.entries), key=lambda e: e[0]))
                 self._note_group(dst, mv.group, d)
             self._overrides[mv.group] = (mv.dst, until)

@@ -389,14 +389,15 @@ class View:
             return 0
         overrides = cl._overrides
         hot = 0
-        fewest = reuses if reuses is not None else 0
+        fewest = reuses or 0
         written = writes
         for g, w in eng.groups.items():
-            o = overrides.get(g) if overrides else None
-            if o is not None and o[0] != engine_id:
-                continue  # rebalanced elsewhere: history, its requests no longer come here
-            written += w.written()
-            if w.requests >= min_requests and w.requests > 0:
+            # (a group rebalanced elsewhere is history: its requests no longer come here)
+            if not _lives_here(overrides, engine_id, g, w, 1):
+                continue
+            if reuses is not None:
+                written += w.written()
+            if w.requests >= min_requests:
                 hot += w.key_bytes
                 if w.requests < fewest or not fewest:
                     fewest = w.requests

@@ -795,9 +795,13 @@ def _busier_on_one_clock(busiest: EngineView, least: EngineView, ratio: float) -
     engine with the most requests (which ended with 48% of them). Engines of one speed class
     (the ``SAME_SPEED`` check) decode at one rate; their measured TPOTs differ by contention."""
     clock = (busiest.tpot_ms + least.tpot_ms) / 2.0
-    hi = busiest.window_ms + busiest.window_out_tokens * (clock - busiest.tpot_ms)
-    lo = least.window_ms + least.window_out_tokens * (clock - least.tpot_ms)
-    return hi > 0.0 and hi >= ratio * lo
+    hi = _window_on_clock(busiest, clock)
+    return hi > 0.0 and hi >= ratio * _window_on_clock(least, clock)
+
+
+def _window_on_clock(ev: EngineView, clock_ms: float) -> float:
+    """``ev``'s windowed load with its output tokens priced at a TPOT of ``clock_ms``."""
+    return ev.window_ms + ev.window_out_tokens * (clock_ms - ev.tpot_ms)
 
 
 def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
@@ -821,9 +825,9 @@ def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
         return first
     clock = sum(e.tpot_ms for e in same) / len(same)
     best = first
-    most = first.window_ms + first.window_out_tokens * (clock - first.tpot_ms)
+    most = _window_on_clock(first, clock)
     for e in same[1:]:
-        load = e.window_ms + e.window_out_tokens * (clock - e.tpot_ms)
+        load = _window_on_clock(e, clock)
         # (equal loads: the lowest position)
         if load > most or (load == most and e.position < best.position):
             best, most = e, load
