@@ -341,6 +341,7 @@ class ClusterState:
                 unannounced_bytes=int(
                     max(eng.open_prefill_tokens, 0) * block_bytes / p.block_tokens
                 ),
+                key_bytes_per_token=block_bytes / p.block_tokens,
                 arrival_order=hb is not None and hb.queue_order == "arrival",
             )
         return v

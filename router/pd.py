@@ -73,7 +73,7 @@ def decode_score(ev: EngineView, req: RouteRequest, key_len: int) -> tuple:
     if ev.role != "decode":  # its own prefill work takes turns with its decode steps
         step += ev.queued_prefill_ms / max(req.max_tokens, 1)
     headroom = TPOT_HEADROOM * t_min - step * TPOT_SAFETY
-    need = (tokens + req.max_tokens) * prof.bytes_per_token
+    need = ev.kv_key_bytes(tokens + req.max_tokens)
     return (ev.free_bytes < need, headroom < 0, ev.role != "decode", step, ev.inflight, ev.position)
 
 

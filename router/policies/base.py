@@ -72,6 +72,9 @@ class EngineView:
     # the KV the prefills routed there and not done yet will write (in key bytes): not in
     # ``free_bytes``, which counts the blocks the engine announced
     unannounced_bytes: int = 0
+    # the key bytes a token of its cache holds, as its block events show (0: its profile's
+    # ``bytes_per_token``): the unit of ``free_bytes`` and ``unannounced_bytes``
+    key_bytes_per_token: float = 0.0
     # its heartbeat says it serves prefill in arrival order (``LoadHeartbeat.queue_order``:
     # vLLM's own scheduler), not S-EDF: nothing overtakes a queued request, nothing is dropped
     arrival_order: bool = False
@@ -109,6 +112,7 @@ class EngineView:
         rate_t: float = 0.0,
         role: str = "both",
         unannounced_bytes: int = 0,
+        key_bytes_per_token: float = 0.0,
         arrival_order: bool = False,
     ) -> None:
         self.engine_id = engine_id
@@ -142,7 +146,13 @@ class EngineView:
         self.rate_t = rate_t
         self.role = role
         self.unannounced_bytes = unannounced_bytes
+        self.key_bytes_per_token = key_bytes_per_token
         self.arrival_order = arrival_order
+
+    def kv_key_bytes(self, tokens: float) -> float:
+        """``tokens`` of KV in the key bytes this engine's cache holds a token (the unit of
+        ``free_bytes``): measured from its blocks, else its profile's guess."""
+        return tokens * (self.key_bytes_per_token or self.profile.bytes_per_token)
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms

@@ -291,6 +291,8 @@ def test_capacity_is_read_in_the_key_bytes_the_engine_s_blocks_hold() -> None:
     f.route("a", b"q" * 4_000, 1.0)  # its prefill's tokens, in the engine's bytes a token
     want = prof.prompt_tokens(1_000, 4_000) * wide / prof.block_tokens
     assert cl.engine_view(eng).unannounced_bytes == int(want)
+    # KV sized in tokens elsewhere (a decode engine's room for a request) uses that unit too
+    assert cl.engine_view(eng).kv_key_bytes(100) == 100 * wide / prof.block_tokens
     f.epoch["e0"] = "ep2"  # restarted, maybe with another model: the profile's guess again
     f.heartbeat("e0", 2.0, kv_blocks_total=1_000)
     assert cl.engine_view(eng).free_bytes == 1_000 * prof.block_bytes

@@ -131,6 +131,26 @@ def test_decode_choice_prefers_headroom_then_kv_room_then_decode_only() -> None:
     assert decode_score(busy, req, 4000)[3] > decode_score(idle, req, 4000)[3]
 
 
+def test_decode_room_is_sized_in_the_bytes_the_engine_s_blocks_hold() -> None:
+    """Free KV is counted in the key bytes the engine's blocks hold (measured, not the
+    profile's guess): a request's KV is sized in the same unit, so an engine whose text takes
+    more bytes a token has room for exactly the tokens its free blocks hold."""
+    prof = default_profile()
+    req = RouteRequest("r", "m", b"x" * 4000, 1000, 100, Slo("s", 1000.0, 100.0))
+    tokens = prof.prompt_tokens(1000, 4000) + 100
+    wide = 1.5 * prof.bytes_per_token  # its blocks hold 1.5x the profile's bytes a token
+
+    def view(free: float, per_token: float) -> EngineView:
+        return EngineView("d0", "u", prof, 0, 0.0, 50.0, 0.0, int(free), 0, 0, role="decode",
+                          key_bytes_per_token=per_token)  # fmt: skip
+
+    assert not decode_score(view(tokens * wide, wide), req, 4000)[0]  # room for all of it
+    assert decode_score(view(tokens * wide - wide, wide), req, 4000)[0]  # a token short
+    # with nothing measured, the profile's bytes a token
+    assert not decode_score(view(tokens * prof.bytes_per_token, 0.0), req, 4000)[0]
+    assert decode_score(view(tokens * prof.bytes_per_token - 1, 0.0), req, 4000)[0]
+
+
 def test_decode_retry_picks_another_decode_engine_for_the_same_prefill() -> None:
     f = pd_fleet({"p0": "prefill", "d0": "decode", "d1": "decode"})
     first = f.route("r1", PROMPT, 1.0)
