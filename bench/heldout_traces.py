@@ -1,0 +1,162 @@
+"""Trace shapes the routing matrix does not hold, written as hash-id traces for ``kvgate bench
+sim --trace``: a check that what the matrix taught the router carries to traffic it was not
+tuned on (docs/BENCHMARKS.md, *Held-out traces*).
+
+Each is written in Qwen-Bailian's format (one JSON line a request: seconds, 16-token hash ids,
+session keys), so the simulator reads it as it reads a user's own trace:
+
+* ``reasoning``: 30 system prompts of 300-4,000 tokens (Zipf-popular), a short question each,
+  long answers (median 1,200 tokens, up to 8,000): decode-heavy, the batch the bottleneck.
+* ``rotating_docs``: 200 documents of 1,500-9,000 tokens asked about in Zipf order, the order
+  shifting every two minutes: yesterday's hot documents go cold while they are still cached.
+* ``agent_sessions``: agent loops on three tool prompts (3,000-6,000 tokens), 4-24 turns each
+  a few seconds apart, each turn appending its answer and a tool result (up to 6,000 tokens):
+  contexts growing to 60,000 tokens that must stay where they are cached.
+* ``bimodal``: nothing shared; 92% short prompts (median 300 tokens) and 8% huge ones (median
+  24,000): balance under a heavy tail of sizes, with no hit to gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.workloads.synthetic import Zipf, arrivals, lognormal_int
+
+BLOCK_TOKENS = 16  # Qwen-Bailian's hash block
+
+
+class _Ids:
+    """Fresh hash ids: equal ids are equal content, so a prefix is shared by reusing them."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self, tokens: int) -> list[int]:
+        n = -(-tokens // BLOCK_TOKENS)
+        ids = list(range(self.next, self.next + n))
+        self.next += n
+        return ids
+
+
+def _line(i: int, t: float, ids: list[int], n_out: int, parent: int = -1, turn: int = 1) -> dict:
+    return {
+        "chat_id": i,
+        "parent_chat_id": parent,
+        "timestamp": round(t, 3),
+        "input_length": len(ids) * BLOCK_TOKENS,
+        "output_length": n_out,
+        "hash_ids": ids,
+        "turn": turn,
+    }
+
+
+def reasoning(rng: random.Random, rate: float, duration: float) -> list[dict]:
+    ids = _Ids()
+    prompts = [ids.take(lognormal_int(rng, 1200, 0.6, 300, 4000)) for _ in range(30)]
+    pick = Zipf(len(prompts), 1.1)
+    return [
+        _line(
+            i,
+            t,
+            prompts[pick.sample(rng)] + ids.take(lognormal_int(rng, 150, 0.8, 20, 1500)),
+            lognormal_int(rng, 1200, 0.7, 100, 8000),
+        )
+        for i, t in enumerate(arrivals(rng, rate, duration))
+    ]
+
+
+def rotating_docs(
+    rng: random.Random, rate: float, duration: float, period_s: float = 120.0
+) -> list[dict]:
+    ids = _Ids()
+    docs = [ids.take(lognormal_int(rng, 4000, 0.4, 1500, 9000)) for _ in range(200)]
+    pick = Zipf(len(docs), 1.1)
+    lines = []
+    for i, t in enumerate(arrivals(rng, rate, duration)):
+        doc = docs[(pick.sample(rng) + 37 * int(t // period_s)) % len(docs)]
+        question = ids.take(lognormal_int(rng, 60, 0.5, 10, 400))
+        lines.append(_line(i, t, doc + question, lognormal_int(rng, 150, 0.6, 10, 1000)))
+    return lines
+
+
+def agent_sessions(
+    rng: random.Random, rate: float, duration: float, max_context: int = 60_000
+) -> list[dict]:
+    ids = _Ids()
+    tools = [ids.take(n) for n in (3000, 4500, 6000)]
+    lines: list[dict] = []
+    for t in arrivals(rng, rate / 12.0, duration):  # ~12 turns a session
+        context = tools[rng.randrange(len(tools))] + ids.take(
+            lognormal_int(rng, 200, 0.6, 20, 1000)
+        )
+        parent = -1
+        for turn in range(1, rng.randint(4, 24) + 1):
+            n_out = lognormal_int(rng, 120, 0.6, 10, 800)
+            lines.append(_line(len(lines), t, list(context), n_out, parent, turn))
+            parent = len(lines) - 1
+            context += ids.take(n_out + lognormal_int(rng, 600, 1.0, 20, 6000))
+            t += rng.uniform(1.0, 6.0) + 0.02 * n_out  # the answer streams, the tool runs
+            if len(context) * BLOCK_TOKENS > max_context or t >= duration:
+                break
+    lines.sort(key=lambda line: line["timestamp"])
+    return lines
+
+
+def bimodal(rng: random.Random, rate: float, duration: float, huge: float = 0.08) -> list[dict]:
+    ids = _Ids()
+    lines = []
+    for i, t in enumerate(arrivals(rng, rate, duration)):
+        if rng.random() < huge:
+            n_in = lognormal_int(rng, 24_000, 0.3, 8_000, 60_000)
+        else:
+            n_in = lognormal_int(rng, 300, 0.8, 20, 3000)
+        lines.append(_line(i, t, ids.take(n_in), lognormal_int(rng, 200, 0.8, 5, 2000)))
+    return lines
+
+
+SHAPES: dict[str, Callable[[random.Random, float, float], list[dict]]] = {
+    "reasoning": reasoning,
+    "rotating_docs": rotating_docs,
+    "agent_sessions": agent_sessions,
+    "bimodal": bimodal,
+}
+
+
+def write(shape: str, out: Path, *, rate: float, duration: float, seed: int) -> int:
+    """Write ``shape`` to ``out`` (JSON lines); the number of requests."""
+    lines = SHAPES[shape](random.Random(seed), rate, duration)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for line in lines:
+            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
+    return len(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", type=Path, default=Path("heldout"), help="where the .jsonl go")
+    ap.add_argument(
+        "--shapes", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES)
+    )
+    ap.add_argument("--rate", type=float, default=4.0, help="requests/s (scale with --rate-scale)")
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals")
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {', '.join(unknown)}; one of {', '.join(SHAPES)}")
+    if not (args.rate > 0 and args.duration > 0):
+        ap.error("--rate and --duration must be positive")
+    for shape in shapes:
+        path = args.out_dir / f"{shape}.jsonl"
+        n = write(shape, path, rate=args.rate, duration=args.duration, seed=args.seed)
+        print(f"{path}: {n} requests")
+
+
+if __name__ == "__main__":
+    main()
