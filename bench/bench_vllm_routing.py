@@ -49,13 +49,14 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from array import array
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -300,11 +301,14 @@ def replica_workload(args: argparse.Namespace, seed: int, profile: CostProfile) 
 def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
     """Every kvgate router over ``args.simulate`` workload seeds in the simulator."""
     profile = load_profile(args.profile)
-    if args.kv_blocks != profile.kv_blocks:
-        raise SystemExit(
-            f"--simulate uses the profile's {profile.kv_blocks} KV blocks an engine; "
-            f"--kv-blocks {args.kv_blocks} differs"
+    profile_spec = args.profile
+    if args.kv_blocks != profile.kv_blocks:  # the engines' caches as the live run sizes them
+        profile = replace(
+            profile, name=f"{profile.name}-kv{args.kv_blocks}", kv_blocks=args.kv_blocks
         )
+        path = Path(tempfile.mkdtemp(prefix="kvgate-replica-")) / f"{profile.name}.json"
+        path.write_text(json.dumps(profile.to_dict()))
+        profile_spec = str(path)
     seeds = range(args.seed, args.seed + args.simulate)
     doc: dict = {
         "kind": "kvgate-vllm-routing-replica",
@@ -318,7 +322,7 @@ def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
             # the engines report as vLLM behind the bridge does (no request events), and the
             # benchmark's answers are not streamed (no first token for the gateway to report)
             link = LinkConfig(request_events=False, gateway_ttft=False)
-            cfg = SimConfig(engines=args.engines, profile=args.profile, seed=seed, link=link)
+            cfg = SimConfig(engines=args.engines, profile=profile_spec, seed=seed, link=link)
             result = run_one(replica_workload(args, seed, profile), router, "fcfs", cfg)
             sm = result["summary"]
             per = sm["per_engine_requests"]

@@ -35,6 +35,10 @@ QUEUE_ORDERS: tuple[str, ...] = ("deadline", "arrival")
 REJECT_CAUSES: tuple[str, ...] = ("", "ttft", "tpot")
 
 
+# a heartbeat's profile: a name, or a profile inline as JSON (kvgate.cost_model.announced_profile)
+MAX_PROFILE_CHARS = 4096
+
+
 class EventError(ValueError):
     """An event (or a field of one) that breaks the contract."""
 
@@ -258,7 +262,9 @@ class LoadHeartbeat:
     """The engine's load, sent periodically; also how routers learn an engine's address.
 
     ``vbs`` is SCORPIO's virtual batch size (sum of TRP over running requests), ``profile`` the
-    name of the engine's cost profile (:mod:`kvgate.cost_model`), ``url`` its OpenAI base URL.
+    engine's cost profile (:mod:`kvgate.cost_model`): its name where a router can load it by
+    that name, else the profile itself as JSON (:func:`kvgate.cost_model.announced_profile`);
+    ``url`` its OpenAI base URL.
     Optional, over the decode steps since the previous heartbeat (None: none ran, or unknown):
     ``decode_step_ms`` their mean duration, ``decode_batch`` their mean batch size and
     ``decode_context`` the mean context of their requests, in tokens (routers fit the engine's
@@ -316,7 +322,7 @@ class LoadHeartbeat:
         ):
             _check_count(name, getattr(self, name))
         _check_ms("vbs", self.vbs)
-        _check_text("profile", self.profile)
+        _check_text("profile", self.profile, max_len=MAX_PROFILE_CHARS)
         _check_text("url", self.url, max_len=2048)
         if not isinstance(self.models, tuple):
             raise EventError("models must be a tuple")

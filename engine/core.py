@@ -51,7 +51,7 @@ from engine.scheduler.state import (
     ReqState,
     SchedulerConfig,
 )
-from kvgate.cost_model import CostProfile
+from kvgate.cost_model import CostProfile, announced_profile
 
 __all__ = ["EngineCore", "EngineRequest", "Output", "SchedulerConfig", "Usage"]
 
@@ -130,6 +130,7 @@ class EngineCore(SchedBook):
         # engine on hardware slower than its type): its heartbeats name it and plan its
         # prefill reports on it
         self.announced = announced or profile
+        self.announced_spec = announced_profile(self.announced)  # (a name, or inline JSON)
         self.policy = make_policy(policy)
         self.cache = PrefixCache(profile.kv_blocks, profile.block_bytes)
         self._states: dict[str, ReqState] = {}
@@ -286,7 +287,7 @@ class EngineCore(SchedBook):
             kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
             kv_blocks_total=self.profile.kv_blocks,
             role=self.role,
-            profile=self.announced.name,
+            profile=self.announced_spec,
             prefill_ms=ms if ms > 0 else None,
             prefill_plan_ms=plan_ms if ms > 0 else None,
         )

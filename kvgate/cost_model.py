@@ -42,10 +42,12 @@ from __future__ import annotations
 import importlib.resources
 import math
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import orjson
+
+from broker.events import MAX_PROFILE_CHARS
 
 # (from the package, not ``__file__``: a compiled build's ``__file__`` is the build's relative
 # source path)
@@ -320,6 +322,45 @@ def _load_cached(path: str) -> CostProfile:
 
 def default_profile() -> CostProfile:
     return load_profile(DEFAULT_PROFILE)
+
+
+def announced_profile(profile: CostProfile) -> str:
+    """How an engine names its profile to routers (``LoadHeartbeat.profile``): the name, where
+    loading that name gives this very profile (a built-in, or ``NAME@xK`` of one); else the
+    profile itself as compact JSON. A profile file only the engine's host has (fitted with
+    ``kvgate engine fit-profile``) is otherwise unknown to a router elsewhere, which then
+    predicted with the default profile: in the vLLM routing benchmark's replica, the tiny
+    profile under a name no router knew cut e2's hit rate from 0.874 to 0.768."""
+    try:
+        if load_profile(profile.name) == profile:
+            return profile.name
+    except ProfileError:
+        pass
+    data = profile.to_dict()
+    data.pop("description", None)
+    text = orjson.dumps(data).decode()
+    if len(text) > MAX_PROFILE_CHARS:
+        raise ProfileError(f"{profile.name}: {len(text)} chars inline, over {MAX_PROFILE_CHARS}")
+    return text
+
+
+def resolve_profile(spec: str) -> CostProfile:
+    """The profile a heartbeat announces (:func:`announced_profile`): inline JSON, or a name or
+    path for :func:`load_profile`. Raises ProfileError with the reason."""
+    if spec.startswith("{"):
+        return _inline_profile(spec)
+    return load_profile(spec)
+
+
+@lru_cache(maxsize=64)  # (bounded: the text comes off the wire)
+def _inline_profile(text: str) -> CostProfile:
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ProfileError(f"inline profile: invalid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProfileError("inline profile: a profile is a JSON object")
+    return CostProfile.from_dict(data)
 
 
 MIN_PREFILL_SHARE = 0.05  # prefill's share of a saturated decoder's GPU (one operator a step)

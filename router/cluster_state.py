@@ -6,6 +6,7 @@ state only."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -15,11 +16,12 @@ from broker.events import ROLES
 from kvgate.cost_model import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_KV_LINK_GBPS,
+    DEFAULT_PROFILE,
     CostProfile,
     KvLink,
     ProfileError,
     default_profile,
-    load_profile,
+    resolve_profile,
 )
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
@@ -28,6 +30,8 @@ from router.policies.feasibility import RATE_TAU_S, next_decode_step_ms
 from router.slo_mix import SloMix
 from router.speculative import Speculative
 from router.tree import RadixTree
+
+log = logging.getLogger("kvgate.router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +185,15 @@ class ClusterState:
             self._load_dirty[engine_id] = eng
         return eng
 
-    def _profile(self, name: str) -> CostProfile:
+    def _profile(self, spec: str) -> CostProfile:
+        """The profile an engine announces (a name, a path or inline JSON); one this router
+        cannot read is counted and logged, and the default profile stands in."""
         try:
-            return load_profile(name)
-        except ProfileError:
+            return resolve_profile(spec)
+        except ProfileError as exc:
             self.unknown_profiles += 1
+            log.warning("unknown engine profile %.80r (%s): predicting with %s", spec, exc,
+                        DEFAULT_PROFILE)  # fmt: skip
             return default_profile()
 
     def add_static_engine(

@@ -12,9 +12,11 @@ from kvgate.cost_model import (
     CostProfile,
     PrefillSegment,
     ProfileError,
+    announced_profile,
     default_profile,
     load_profile,
     prefill_share,
+    resolve_profile,
 )
 from kvgate.openai_request import (
     ChatTemplate,
@@ -192,6 +194,25 @@ def test_slowed_profiles_by_name() -> None:
         load_profile("mistral-7b-a6000@xfast")
     with pytest.raises(ProfileError, match="positive"):
         load_profile("mistral-7b-a6000@x0")
+
+
+def test_an_engine_announces_its_profile_by_name_only_where_a_router_can_load_it() -> None:
+    """A built-in profile (or NAME@xK of one) goes by its name; any other, such as a file
+    fitted on the engine's host or a built-in's name with other numbers, goes inline as JSON,
+    which a router resolves to the very same profile."""
+    from dataclasses import replace
+
+    tiny = load_profile("vllm-cpu-tiny")
+    assert announced_profile(tiny) == "vllm-cpu-tiny"
+    assert announced_profile(load_profile("vllm-cpu-tiny@x3")) == "vllm-cpu-tiny@x3"
+    for custom in (replace(tiny, name="my-vllm"), replace(tiny, kv_blocks=128)):
+        spec = announced_profile(custom)
+        assert spec.startswith("{") and len(spec) < 1024
+        assert resolve_profile(spec) == custom
+    assert resolve_profile("vllm-cpu-tiny") is tiny
+    for bad in ("{not json", "[1, 2]", '{"name": "x"}', "no-such-profile"):
+        with pytest.raises(ProfileError):
+            resolve_profile(bad)
 
 
 def test_a_prefill_curve_that_falls_with_more_tokens_is_rejected() -> None:

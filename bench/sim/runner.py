@@ -176,7 +176,7 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
                 slot.core.engine_id,
                 slot.url,
                 world.models,
-                profile=eng.announced.name,
+                profile=eng.announced_spec,
                 role=eng.role,
             )
     return world

@@ -56,7 +56,7 @@ from engine_reporter.vllm.wire import (
     decode_message,
     decode_replay_frames,
 )
-from kvgate.cost_model import DEFAULT_PROFILE, load_profile
+from kvgate.cost_model import DEFAULT_PROFILE, announced_profile, load_profile
 from kvgate.logs import LogOnce
 
 log = logging.getLogger("kvgate.bridge.vllm")
@@ -151,7 +151,11 @@ class VllmBridge:
             lambda epoch: Reporter(broker, config.engine_id, epoch=epoch)
         )
         self.reporter: Reporter = self._make_reporter(new_epoch())
-        self._fallback_blocks = load_profile(config.profile).kv_blocks
+        profile = load_profile(config.profile)
+        self._fallback_blocks = profile.kv_blocks
+        # a name routers can load, else the profile inline: a file given by path is on this
+        # host only
+        self._profile_spec = announced_profile(profile)
         self._load = _LoadState(models=config.models)
         self._lock = asyncio.Lock()
         self._ctx: zmq.asyncio.Context | None = None
@@ -428,7 +432,7 @@ class VllmBridge:
             load,
             url=base,
             models=self._load.models,
-            profile=cfg.profile,
+            profile=self._profile_spec,
             fallback_blocks=self._fallback_blocks,
             role=cfg.role,
             decode=decode,

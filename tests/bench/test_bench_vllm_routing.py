@@ -70,9 +70,18 @@ def test_simulate_runs_each_router_over_the_seeds_and_saves_the_figures(tmp_path
     assert e2["hit_rate_mean"] > rr["hit_rate_mean"] + 0.1  # e2 keeps documents together
 
 
-def test_simulate_refuses_a_cache_size_the_profile_does_not_have(tmp_path: Path):
-    with pytest.raises(SystemExit, match="KV blocks"):
-        main(["--simulate", "1", "--kv-blocks", "32", "--out", str(tmp_path / "x.json")])
+def test_simulate_sizes_the_engines_caches_as_kv_blocks_says(tmp_path: Path):
+    """--kv-blocks sizes the replica's caches as it sizes the live engines': 12 documents of
+    ~300 tokens on 3 engines fit in 64 blocks of 32 tokens a few at a time, in 16 hardly."""
+    rates = {}
+    for blocks in (16, 64):
+        out = tmp_path / f"kv{blocks}.json"
+        argv = ["--simulate", "2", "--requests", "150", "--routers", "e2", "--kv-blocks"]
+        assert main([*argv, str(blocks), "--out", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["config"]["kv_blocks"] == blocks
+        rates[blocks] = doc["summary"]["e2"]["hit_rate_mean"]
+    assert rates[16] < rates[64] - 0.1
 
 
 class _FakeVllm(http.server.BaseHTTPRequestHandler):
@@ -98,6 +107,7 @@ class _FakeVllm(http.server.BaseHTTPRequestHandler):
             self.wfile.write(text)
             return
         text = (
+            'vllm:num_requests_running{engine="0"} 0.0\n'  # as every vLLM exports
             f'vllm:prefix_cache_queries_total{{engine="0"}} {10.0 * n}\n'
             f'vllm:prefix_cache_hits_total{{engine="0"}} {4.0 * n}\n'
             f'vllm:request_success_total{{finished_reason="length"}} {float(n)}\n'

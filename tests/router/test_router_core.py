@@ -273,6 +273,29 @@ def test_prefills_routed_and_not_done_count_as_kv_about_to_be_written() -> None:
     assert cl.engine_view(eng).unannounced_bytes == 0
 
 
+def test_a_profile_announced_inline_is_the_engine_s_and_an_unknown_one_is_counted(
+    caplog,
+) -> None:
+    """An engine whose profile a router cannot load by name announces it inline: the router
+    predicts with exactly that profile. A name it cannot load is counted and logged, and the
+    default profile stands in."""
+    from dataclasses import replace
+
+    from kvgate.cost_model import announced_profile, load_profile
+
+    custom = replace(load_profile("vllm-cpu-tiny"), name="fitted-here", kv_blocks=96)
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    f.heartbeat("e0", 0.0, profile=announced_profile(custom), kv_blocks_total=96)
+    assert cl.engines["e0"].profile == custom
+    assert cl.engine_view(cl.engines["e0"]).profile.block_tokens == 32
+    with caplog.at_level("WARNING", logger="kvgate.router"):
+        f.heartbeat("e1", 0.0, profile="fitted-elsewhere")
+    assert cl.unknown_profiles == 1 and "fitted-elsewhere" in caplog.text
+    assert cl.engines["e1"].profile.name == "mistral-7b-a6000"
+    assert f.router.state(0.5)["unknown_profiles"] == 1
+
+
 def test_capacity_is_read_in_the_key_bytes_the_engine_s_blocks_hold() -> None:
     """A profile's bytes a token guess the tokenizer; the blocks an engine announces say how
     many of the key's bytes one of its KV blocks holds (behind the vLLM bridge, text of 2.17

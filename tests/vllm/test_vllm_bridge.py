@@ -9,9 +9,10 @@ bridge's stream back from Redis, so each test checks what a router would see.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgspec
@@ -30,6 +31,7 @@ from engine_reporter.vllm.bridge import BridgeConfig, VllmBridge
 from engine_reporter.vllm.tokens import TokenBytes
 from engine_reporter.vllm.translate import Translator
 from engine_reporter.vllm.wire import END_OF_REPLAY, decode_payload
+from kvgate.cost_model import load_profile, resolve_profile
 
 pytestmark = pytest.mark.redis
 
@@ -156,7 +158,7 @@ async def rig(
     ctx = zmq.asyncio.Context()
     made: list = []
 
-    async def make(pre: list[bytes] = ()) -> Rig:
+    async def make(pre: list[bytes] = (), **config_overrides: object) -> Rig:
         fake = FakeVllm(ctx)
         for p in pre:  # published before the bridge exists: only replay can recover them
             await fake.publish(p)
@@ -184,6 +186,7 @@ async def rig(
             engine_url=f"http://127.0.0.1:{port}",
             metrics_interval_s=0.05,
             replay_timeout_s=1.0,
+            **config_overrides,
         )
         bridge = VllmBridge(config, brk, tokens=token_bytes)
         await bridge.start()
@@ -290,3 +293,18 @@ async def test_heartbeats_carry_vllms_inter_token_latency_as_the_decode_step(rig
     hb = next(hb for hb in r.sink.heartbeats if hb.decode_step_ms)
     assert hb.decode_step_ms == pytest.approx(1000 * 1.9150671150003973 / 1240)
     assert hb.decode_batch is None and hb.decode_context is None
+
+
+async def test_a_profile_file_only_this_host_has_is_announced_inline(rig, tmp_path: Path) -> None:
+    """Given a profile by path (fitted here with ``kvgate engine fit-profile``), the bridge
+    announces the profile itself: a router elsewhere has no such file and reads it from the
+    heartbeat. A built-in goes by its name."""
+    custom = replace(load_profile("vllm-cpu-tiny"), name="fitted-on-this-host", kv_blocks=96)
+    path = tmp_path / "fitted.json"
+    path.write_text(json.dumps(custom.to_dict()))
+    r = await rig(profile=str(path))
+    await until(lambda: bool(r.sink.heartbeats))
+    assert resolve_profile(r.sink.heartbeats[-1].profile) == custom
+    r = await rig(profile="vllm-cpu-tiny")
+    await until(lambda: bool(r.sink.heartbeats))
+    assert r.sink.heartbeats[-1].profile == "vllm-cpu-tiny"
