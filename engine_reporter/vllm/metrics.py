@@ -103,8 +103,8 @@ _NAME_END = re.compile(r"[{\s]")
 def _wanted_samples(text: str) -> Iterator[tuple[str, str, float]]:
     """``(name, line, value)`` of each sample line of :data:`WANTED_SAMPLES` in ``text``.
 
-    A sample line is ``name[{labels}] value [timestamp]``; the value follows the labels' closing
-    brace (the last on the line: a value and a timestamp hold none)."""
+    A sample line is ``name[{labels}] value [timestamp]`` (OpenMetrics may add ``# {exemplar}
+    value`` after it); the value follows the labels' closing brace, the first outside quotes."""
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line[0] == "#":
@@ -115,7 +115,7 @@ def _wanted_samples(text: str) -> Iterator[tuple[str, str, float]]:
             continue
         rest = line[len(name) :]
         if rest.startswith("{"):
-            close = rest.rfind("}")
+            close = _labels_end(rest)
             if close < 0:
                 raise MetricsError(f"not Prometheus text: unclosed labels in {line[:120]!r}")
             rest = rest[close + 1 :]
@@ -125,6 +125,22 @@ def _wanted_samples(text: str) -> Iterator[tuple[str, str, float]]:
         except (IndexError, ValueError) as exc:
             raise MetricsError(f"not Prometheus text: no value in {line[:120]!r}") from exc
         yield name, line, value
+
+
+def _labels_end(text: str) -> int:
+    """Index of the ``}`` closing the label set ``text`` starts with (``{``), skipping quoted
+    label values and their escapes; -1 if it is not closed."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = quoted
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "}" and not quoted:
+            return i
+    return -1
 
 
 def _labels(line: str) -> Mapping[str, str]:

@@ -175,6 +175,13 @@ def test_bad_metrics_text_raises_metrics_error() -> None:
         parse_metrics('vllm:num_requests_running{model_name="a" 1\n')
     with pytest.raises(MetricsError):
         parse_metrics('vllm:num_requests_running{model_name="a"} many\n')
+    # braces and escaped quotes inside label values, an exemplar after the value
+    text = (
+        'vllm:num_requests_running{model_name="a}\\"b"} 2 1700000000000\n'
+        'vllm:num_requests_waiting{model_name="a"} 3 # {trace_id="x"} 9.0\n'
+    )
+    load = parse_metrics(text)
+    assert (load.running, load.waiting) == (2, 3)
     with pytest.raises(MetricsError):  # not a vLLM engine's load: no request gauge
         parse_metrics("<html><body>502 Bad Gateway</body></html>\n")
     with pytest.raises(MetricsError):
