@@ -224,6 +224,12 @@ class _StateCollector(Collector):
             "kvgate_router_broker_malformed", "Malformed stream entries skipped", s.malformed
         )
         yield CounterMetricFamily("kvgate_router_broker_resyncs", "Engine resyncs", s.resyncs)
+        yield CounterMetricFamily(
+            "kvgate_router_unknown_profiles",
+            "Engine heartbeats naming a cost profile this router cannot read (it predicts with"
+            " the default profile for them)",
+            router.cluster.unknown_profiles,
+        )
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
