@@ -325,7 +325,7 @@ class Router:
             "released": dict(cl.released_by),
             "rebalance": {"moves": cl.moves, "replications": cl.replications},
             "events": dict(cl.events),
-            # heartbeats naming a profile this router cannot read (the default stood in)
+            # engines' announcements of a profile this router cannot read (the default stood in)
             "unknown_profiles": cl.unknown_profiles,
             "kv_link": {
                 "kv_bytes_per_token": cl.kv.bytes_per_token,

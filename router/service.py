@@ -226,8 +226,8 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("kvgate_router_broker_resyncs", "Engine resyncs", s.resyncs)
         yield CounterMetricFamily(
             "kvgate_router_unknown_profiles",
-            "Engine heartbeats naming a cost profile this router cannot read (it predicts with"
-            " the default profile for them)",
+            "Engines' announcements of a cost profile this router cannot read (it predicts"
+            " those engines with the default profile)",
             router.cluster.unknown_profiles,
         )
 
