@@ -49,7 +49,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -69,7 +68,7 @@ from bench.workloads.request import Request, Segment, Turn, content_seed
 from bench.workloads.synthetic import Zipf
 from engine_reporter.hashing import chain_hashes, split_blocks
 from engine_reporter.vllm.metrics import parse_metrics
-from kvgate.cost_model import CostProfile, load_profile
+from kvgate.cost_model import CostProfile, announced_profile, load_profile
 from kvgate.stats import percentile
 
 RESULT = Path("results/vllm_routing.json")
@@ -306,9 +305,7 @@ def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
         profile = replace(
             profile, name=f"{profile.name}-kv{args.kv_blocks}", kv_blocks=args.kv_blocks
         )
-        path = Path(tempfile.mkdtemp(prefix="kvgate-replica-")) / f"{profile.name}.json"
-        path.write_text(json.dumps(profile.to_dict()))
-        profile_spec = str(path)
+        profile_spec = announced_profile(profile)  # (inline: no file of that name anywhere)
     seeds = range(args.seed, args.seed + args.simulate)
     doc: dict = {
         "kind": "kvgate-vllm-routing-replica",

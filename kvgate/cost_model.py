@@ -292,7 +292,11 @@ class CostProfile:
 
 def load_profile(name_or_path: str) -> CostProfile:
     """A profile by name (``kvgate/profiles/NAME.json``) or by path to a JSON file; either
-    followed by ``@xK`` for that profile ``K`` times slower (see :meth:`CostProfile.slowed`)."""
+    followed by ``@xK`` for that profile ``K`` times slower (see :meth:`CostProfile.slowed`);
+    or the profile itself as JSON (what an engine announces when routers could not load it by
+    its name: :func:`announced_profile`)."""
+    if name_or_path.startswith("{"):
+        return _inline_profile(name_or_path)
     base, at, factor = name_or_path.rpartition("@x")
     if at and base:
         try:
@@ -342,14 +346,6 @@ def announced_profile(profile: CostProfile) -> str:
     if len(text) > MAX_PROFILE_CHARS:
         raise ProfileError(f"{profile.name}: {len(text)} chars inline, over {MAX_PROFILE_CHARS}")
     return text
-
-
-def resolve_profile(spec: str) -> CostProfile:
-    """The profile a heartbeat announces (:func:`announced_profile`): inline JSON, or a name or
-    path for :func:`load_profile`. Raises ProfileError with the reason."""
-    if spec.startswith("{"):
-        return _inline_profile(spec)
-    return load_profile(spec)
 
 
 @lru_cache(maxsize=64)  # (bounded: the text comes off the wire)

@@ -21,7 +21,7 @@ from kvgate.cost_model import (
     KvLink,
     ProfileError,
     default_profile,
-    resolve_profile,
+    load_profile,
 )
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
@@ -189,7 +189,7 @@ class ClusterState:
         """The profile an engine announces (a name, a path or inline JSON); one this router
         cannot read is counted and logged, and the default profile stands in."""
         try:
-            return resolve_profile(spec)
+            return load_profile(spec)
         except ProfileError as exc:
             self.unknown_profiles += 1
             log.warning("unknown engine profile %.80r (%s): predicting with %s", spec, exc,
@@ -308,6 +308,7 @@ class ClusterState:
             hb = eng.heartbeat
             capacity = self.capacity_bytes(eng)
             block_bytes = eng.block_bytes()
+            per_token = block_bytes / p.block_tokens  # (key bytes a token of its cache holds)
             used = int(hb.kv_blocks_used * block_bytes) if hb else 0
             held = self.tree.held_bytes.get(eng.engine_id, 0)
             v = eng.view = EngineView(
@@ -346,10 +347,8 @@ class ClusterState:
                 open_inv_tpot=sum(n / t for t, n in eng.open_tpots.items() if t > 0),
                 decode_inv_tpot=sum(n / t for t, n in eng.decode_tpots.items() if t > 0),
                 role=eng.role,
-                unannounced_bytes=int(
-                    max(eng.open_prefill_tokens, 0) * block_bytes / p.block_tokens
-                ),
-                key_bytes_per_token=block_bytes / p.block_tokens,
+                unannounced_bytes=int(max(eng.open_prefill_tokens, 0) * per_token),
+                key_bytes_per_token=per_token,
                 arrival_order=hb is not None and hb.queue_order == "arrival",
             )
         return v

@@ -16,7 +16,6 @@ from kvgate.cost_model import (
     default_profile,
     load_profile,
     prefill_share,
-    resolve_profile,
 )
 from kvgate.openai_request import (
     ChatTemplate,
@@ -208,11 +207,11 @@ def test_an_engine_announces_its_profile_by_name_only_where_a_router_can_load_it
     for custom in (replace(tiny, name="my-vllm"), replace(tiny, kv_blocks=128)):
         spec = announced_profile(custom)
         assert spec.startswith("{") and len(spec) < 1024
-        assert resolve_profile(spec) == custom
-    assert resolve_profile("vllm-cpu-tiny") is tiny
+        assert load_profile(spec) == custom
+    assert load_profile("vllm-cpu-tiny") is tiny
     for bad in ("{not json", "[1, 2]", '{"name": "x"}', "no-such-profile"):
         with pytest.raises(ProfileError):
-            resolve_profile(bad)
+            load_profile(bad)
 
 
 def test_a_prefill_curve_that_falls_with_more_tokens_is_rejected() -> None:

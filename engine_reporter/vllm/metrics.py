@@ -100,11 +100,10 @@ LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running")
 _NAME_END = re.compile(r"[{\s]")
 
 
-def _wanted_samples(text: str) -> Iterator[tuple[str, str, float]]:
-    """``(name, line, value)`` of each sample line of :data:`WANTED_SAMPLES` in ``text``.
-
-    A sample line is ``name[{labels}] value [timestamp]`` (OpenMetrics may add ``# {exemplar}
-    value`` after it); the value follows the labels' closing brace, the first outside quotes."""
+def _wanted_samples(text: str) -> Iterator[tuple[str, Mapping[str, str], float]]:
+    """``(name, labels, value)`` of each sample line of :data:`WANTED_SAMPLES` in ``text``:
+    each line's name is read first, and only the wanted lines go through the library's parser
+    (quoting, escapes, timestamps, exemplars)."""
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line[0] == "#":
@@ -113,45 +112,12 @@ def _wanted_samples(text: str) -> Iterator[tuple[str, str, float]]:
         name = line[: m.start()] if m else line
         if name not in WANTED_SAMPLES:
             continue
-        rest = line[len(name) :]
-        if rest.startswith("{"):
-            close = _labels_end(rest)
-            if close < 0:
-                raise MetricsError(f"not Prometheus text: unclosed labels in {line[:120]!r}")
-            rest = rest[close + 1 :]
-        fields = rest.split()
         try:
-            value = float(fields[0])
-        except (IndexError, ValueError) as exc:
-            raise MetricsError(f"not Prometheus text: no value in {line[:120]!r}") from exc
-        yield name, line, value
-
-
-def _labels_end(text: str) -> int:
-    """Index of the ``}`` closing the label set ``text`` starts with (``{``), skipping quoted
-    label values and their escapes; -1 if it is not closed."""
-    quoted = escaped = False
-    for i, ch in enumerate(text):
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = quoted
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == "}" and not quoted:
-            return i
-    return -1
-
-
-def _labels(line: str) -> Mapping[str, str]:
-    """The labels of one sample line (the library's parser: escapes and quoting)."""
-    try:
-        for family in text_string_to_metric_families(line + "\n"):
-            for sample in family.samples:
-                return sample.labels
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MetricsError(f"not Prometheus text: {exc}") from exc
-    return {}
+            for family in text_string_to_metric_families(line + "\n"):
+                for sample in family.samples:
+                    yield sample.name, sample.labels, float(sample.value)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise MetricsError(f"not Prometheus text: {exc}") from exc
 
 
 def parse_metrics(text: str) -> VllmLoad:
@@ -160,12 +126,12 @@ def parse_metrics(text: str) -> VllmLoad:
     server): :class:`MetricsError`."""
     sums: dict[str, float] = {}
     info: Mapping[str, str] = {}
-    for name, line, value in _wanted_samples(text):
+    for name, labels, value in _wanted_samples(text):
         if not _finite(value):
             continue
         sums[name] = sums.get(name, 0.0) + value
         if name == "vllm:cache_config_info" and not info:
-            info = _labels(line)
+            info = labels
     if not any(g in sums for g in LOAD_GAUGES):
         raise MetricsError("not vLLM's /metrics: no " + " or ".join(LOAD_GAUGES))
 

@@ -772,11 +772,8 @@ class E2(PolicyBase):
             reused = cfg.min_group_requests
             if not cfg.room_beside_all_reused:
                 reused = max(g.requests, reused)
-            if cfg.room_for_writes:
-                room = view.cache_room(least.engine_id, reused, g.requests, g.written)
-            else:
-                room = view.cache_room(least.engine_id, reused)
-            if g.key_bytes > room:
+            reuses = g.requests if cfg.room_for_writes else None  # (None: keys alone)
+            if g.key_bytes > view.cache_room(least.engine_id, reused, reuses, g.written):
                 continue
             moves.append(Move(g.group, busiest.engine_id, least.engine_id))
             hi -= g.load_ms

@@ -18,7 +18,7 @@ from engine.costs import TtftPredictor, least_squares, prefill_batch_ms
 from engine.scheduler import POLICIES, make_policy
 from engine.scheduler.state import Phase, TransitionError
 from engine.text import TOKEN_BYTES, token_text, tokens_text
-from kvgate.cost_model import default_profile, resolve_profile
+from kvgate.cost_model import default_profile, load_profile
 
 
 def test_illegal_transition_names_the_request_and_the_move() -> None:
@@ -116,7 +116,7 @@ def test_heartbeat_reports_load() -> None:
     assert hb.queued_prefill_tokens == 1500
     assert hb.vbs == pytest.approx(1.5)
     # a profile no router has by its name ("linear-test") goes inline, for routers to read
-    assert resolve_profile(hb.profile) == c.profile and hb.profile.startswith("{")
+    assert load_profile(hb.profile) == c.profile and hb.profile.startswith("{")
     assert core(profile=default_profile()).heartbeat("u", ("m",)).profile == "mistral-7b-a6000"
 
 

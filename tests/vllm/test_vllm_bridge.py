@@ -31,7 +31,7 @@ from engine_reporter.vllm.bridge import BridgeConfig, VllmBridge
 from engine_reporter.vllm.tokens import TokenBytes
 from engine_reporter.vllm.translate import Translator
 from engine_reporter.vllm.wire import END_OF_REPLAY, decode_payload
-from kvgate.cost_model import load_profile, resolve_profile
+from kvgate.cost_model import load_profile
 
 pytestmark = pytest.mark.redis
 
@@ -304,7 +304,7 @@ async def test_a_profile_file_only_this_host_has_is_announced_inline(rig, tmp_pa
     path.write_text(json.dumps(custom.to_dict()))
     r = await rig(profile=str(path))
     await until(lambda: bool(r.sink.heartbeats))
-    assert resolve_profile(r.sink.heartbeats[-1].profile) == custom
+    assert load_profile(r.sink.heartbeats[-1].profile) == custom
     r = await rig(profile="vllm-cpu-tiny")
     await until(lambda: bool(r.sink.heartbeats))
     assert r.sink.heartbeats[-1].profile == "vllm-cpu-tiny"
