@@ -164,6 +164,14 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
         help="what engines off the profile's speed announce: same (the profile: the router "
         "finds their speed online, as with a mis-profiled engine) or true (PROFILE@xFACTOR)",
     )
+    g.add_argument(
+        "--join",
+        type=parse_join,
+        default=None,
+        metavar="N@T",
+        help="a fleet scaled out while traffic runs: the last N engines join T seconds into the "
+        "run (the router learns of each from its first heartbeat), e.g. 8@30",
+    )
     g.add_argument("--kv-link-gbps", type=float, default=100.0, help="KV link, Gb/s")
     g.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV size per token")
 
@@ -179,6 +187,20 @@ def parse_roles(spec: str) -> tuple[str, ...]:
     if not out:
         raise argparse.ArgumentTypeError("--roles: no engine")
     return tuple(out)
+
+
+def parse_join(spec: str) -> tuple[int, float]:
+    """``8@30`` -> (8 engines, joining at 30 s)."""
+    n, _, t = spec.strip().partition("@")
+    try:
+        count, at = int(n), float(t)
+    except ValueError:
+        count, at = 0, math.nan
+    if count < 1 or not (math.isfinite(at) and at > 0):
+        raise argparse.ArgumentTypeError(
+            f"--join {spec!r}: expected N@T, N >= 1 engines joining at T > 0 seconds"
+        )
+    return count, at
 
 
 def parse_speeds(spec: str) -> tuple[float, ...]:
@@ -394,8 +416,17 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
     sized = roles or speeds
     if roles and speeds and len(roles) != len(speeds):
         raise ValueError(f"--roles names {len(roles)} engines and --speeds {len(speeds)}")
+    engines = len(sized) if sized else args.engines
+    joins = None
+    join = getattr(args, "join", None)
+    if join is not None:
+        late, at = join
+        if late >= engines:
+            raise ValueError(f"--join {late}@{at:g}: some of the {engines} engines must start")
+        joins = (0.0,) * (engines - late) + (at,) * late
     return SimConfig(
-        engines=len(sized) if sized else args.engines,
+        engines=engines,
+        joins=joins,
         roles=roles,
         speeds=speeds,
         slow_announce=getattr(args, "announce", "same"),
@@ -444,6 +475,8 @@ def _run_fidelity(args: argparse.Namespace) -> int:
 
     if getattr(args, "speeds", None):
         raise ValueError("--speeds: the live engines of a fidelity run all run the profile")
+    if getattr(args, "join", None):
+        raise ValueError("--join: a fidelity run's live engines all start together")
 
     spec = FidelitySpec(
         workload=args.workload,

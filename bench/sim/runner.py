@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import cProfile
 import logging
+import math
 import os
 import pstats
 import random
@@ -64,6 +65,10 @@ class SimConfig:
     roles: tuple[str, ...] | None = None
     kv_link_gbps: float = DEFAULT_KV_LINK_GBPS
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    # a fleet scaled out while traffic runs: each engine's join time, virtual s from the run's
+    # start (None: every engine from the start); a late engine is known to the router only
+    # from its first heartbeat
+    joins: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.roles is not None and (
@@ -80,6 +85,12 @@ class SimConfig:
             len(self.speeds) != self.engines or not all(f > 0 for f in self.speeds)
         ):
             raise ValueError("speeds: one positive factor per engine")
+        if self.joins is not None and (
+            len(self.joins) != self.engines
+            or not all(t >= 0 and math.isfinite(t) for t in self.joins)
+            or min(self.joins) > 0
+        ):
+            raise ValueError("joins: one finite time >= 0 per engine, some engine at 0")
         if self.slow_announce not in ("same", "true"):
             raise ValueError("slow_announce must be 'same' or 'true'")
 
@@ -169,9 +180,12 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
         link=cfg.link,
         predictions=predictions,
         kv_ms_per_token=cfg.kv_bytes_per_token * 8.0 / (cfg.kv_link_gbps * 1e6),
+        join_at=cfg.joins,
     )
     if cfg.static_engines:
         for slot, eng in zip(world.slots, engines, strict=True):
+            if slot.join_at > 0.0:
+                continue  # (a late engine announces itself)
             router.add_static_engine(
                 slot.core.engine_id,
                 slot.url,

@@ -17,6 +17,8 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
   and consecutive sequence numbers, ``link_delay_s`` (plus optional seeded jitter) later, in order
   per engine, one batch per engine step (``DELIVER``), as the reporter's stream entries would;
 * every engine sends a load heartbeat each ``heartbeat_s`` (``HEARTBEAT``) through the same link;
+  an engine that joins late (``join_at``: a fleet scaled out while traffic runs) sends its first
+  when it joins, and the router learns of it only from that heartbeat, as in production;
 * when a request finishes (or the engine rejects it) the router gets the gateway's outcome report,
   and at its first token the TTFT the gateway saw (``gateway_ttft``: as of a streamed answer);
 * ``request_events`` off, the engines report as a plain vLLM behind the bridge does: KV events
@@ -125,6 +127,7 @@ class _EngineSlot:
     core: EngineLike
     url: str
     epoch: str
+    join_at: float = 0.0  # when it joins the fleet (its first heartbeat), virtual s
     seq: int = 0
     wake_at: float | None = None
     wake_version: int = 0
@@ -181,9 +184,11 @@ class World:
         url_prefix: str = "sim://",
         predictions: bool = False,
         kv_ms_per_token: float = 0.0,
+        join_at: Sequence[float] | None = None,
     ) -> None:
         """``predictions``: record the router's predicted TTFT on the chosen engine (its
-        decision's candidate: queueing + own prefill) in each request's record."""
+        decision's candidate: queueing + own prefill) in each request's record. ``join_at``:
+        each engine's join time (virtual s; None: every engine from the start)."""
         self.router = router
         self.profile = profile
         self.link = link or LinkConfig()
@@ -191,8 +196,11 @@ class World:
         self.loop = EventLoop()
         self._make_engine_request = make_engine_request
         self._rng = rng  # link jitter only; seeded by the caller
+        joins = list(join_at) if join_at is not None else [0.0] * len(engines)
+        if len(joins) != len(engines) or not all(t >= 0 for t in joins):
+            raise ValueError("join_at: one time >= 0 per engine")
         self.slots = [
-            _EngineSlot(i, e, f"{url_prefix}{e.engine_id}", epoch=f"sim{self.link.seed}")
+            _EngineSlot(i, e, f"{url_prefix}{e.engine_id}", f"sim{self.link.seed}", joins[i])
             for i, e in enumerate(engines)
         ]
         self._by_id = {s.core.engine_id: s for s in self.slots}
@@ -234,6 +242,9 @@ class World:
         last = requests[-1].arrival
         self._horizon = last
         for slot in self.slots:
+            if slot.join_at > 0.0:  # a late engine's first heartbeat makes it known
+                self.loop.schedule(slot.join_at, Kind.HEARTBEAT, slot.index)
+                continue
             # initial heartbeats make the engines known and alive before the first request
             self._send_heartbeat(slot, 0.0)
             self.loop.schedule(self.link.heartbeat_s, Kind.HEARTBEAT, slot.index)

@@ -78,6 +78,20 @@ def test_sim_runs_a_mixed_fleet_from_the_command_line(tmp_path: Path) -> None:
     assert len(per) == 4 and per["e00"] + per["e01"] > 1.5 * (per["e02"] + per["e03"])
 
 
+def test_sim_scales_a_fleet_out_from_the_command_line(tmp_path: Path) -> None:
+    """``--join 2@10``: the last two of four engines join 10 s into the run; e2 sends them
+    nothing before and a share of the requests after."""
+    out = tmp_path / "join.json"
+    rc = main(["bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "30",
+               "--engines", "4", "--join", "2@10", "--policies", "e2",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = orjson.loads(out.read_bytes())
+    assert doc["world"]["joins"] == [0.0, 0.0, 10.0, 10.0]
+    per = doc["runs"][0]["summary"]["per_engine_requests"]
+    assert per["e02"] + per["e03"] > 0.15 * sum(per.values())
+
+
 def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     assert main(["bench", "report", "--inputs", str(tmp_path / "missing.json")]) == 2
     rc = main(["bench", "sim", "--trace", "nope", "--out", str(tmp_path / "x.json")])
@@ -86,6 +100,13 @@ def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "sim", "--trace", "tool_use", "--speeds", bad])
         assert exit_.value.code == 2 and "--speeds" in capsys.readouterr().err
+    for bad in ("2", "0@5", "2@0", "x@5", "2@inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "sim", "--trace", "tool_use", "--join", bad])
+        assert exit_.value.code == 2 and "--join" in capsys.readouterr().err
+    rc = main(["bench", "sim", "--trace", "tool_use", "--engines", "2", "--join", "2@5",
+               "--out", str(tmp_path / "x.json")])  # fmt: skip
+    assert rc == 2 and "must start" in capsys.readouterr().err
     junk = tmp_path / "junk.jsonl"
     junk.write_bytes(b"not json\n")
     rc = main(["bench", "sim", "--trace", str(junk), "--out", str(tmp_path / "x.json")])

@@ -286,3 +286,26 @@ def test_a_flash_crowd_of_one_system_prompt_spreads_over_idle_engines() -> None:
     spread_off, p99_off = run("e2[replicate_to_spare=false]")
     assert spread_on > spread_off
     assert p99_on < 0.95 * p99_off
+
+
+def test_late_engines_join_at_their_heartbeat_and_then_take_traffic() -> None:
+    """A fleet scaled out while traffic runs (``SimConfig.joins``): the router does not know a
+    late engine before its first heartbeat, so none of its requests go there, and after it
+    joins the router uses it."""
+    cfg = SimConfig(engines=4, joins=(0.0, 0.0, 5.0, 5.0))
+    world = build_world("round_robin", "slo", cfg)
+    # one distinct prompt every 0.1 s for 10 s
+    world.run([_req(f"r{i}", 0.1 * i, 2000, 4, seed=i) for i in range(100)])
+    late = {"e02", "e03"}
+    before = [r for r in world.records if r.arrival < 4.9]
+    after = [r for r in world.records if r.arrival >= 5.1]
+    assert all(r.ok for r in world.records)
+    assert before and not any(r.engine in late for r in before)
+    assert sum(r.engine in late for r in after) >= len(after) // 2 - 1
+
+
+def test_joins_are_validated() -> None:
+    # not one per engine; nobody there at the start; a negative or non-finite time
+    for joins in ((0.0, 1.0, 2.0), (1.0, 1.0), (0.0, -1.0), (0.0, float("nan"))):
+        with pytest.raises(ValueError, match="joins"):
+            SimConfig(engines=2, joins=joins)
