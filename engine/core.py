@@ -27,6 +27,7 @@ it), at most ``input_tokens - 1`` (the last prompt token is always computed, as 
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -519,9 +520,14 @@ class EngineCore(SchedBook):
     def _finish(self, st: ReqState, t: float) -> Usage:
         if st.phase is Phase.DECODING:
             self.decoding.remove(st)
-            if st.req.answer_key and self.cache.holds(st.request_id):
-                # its answer's KV joins the prefix cache (vLLM and SGLang cache output tokens)
-                self.cache.extend(st.request_id, st.req.key + st.req.answer_key, t)
+            if self.cache.holds(st.request_id):
+                # its output's whole blocks join the prefix cache, as vLLM and SGLang cache every
+                # full block: a conversation's answer as its next turn resends it, any other
+                # answer as bytes no key shares (never reused, but it takes room in the LRU)
+                answer = st.req.answer_key or output_filler(
+                    st.request_id, st.generated * self.profile.bytes_per_token
+                )
+                self.cache.extend(st.request_id, st.req.key + answer, t)
                 self._events.extend(self.cache.drain_events())
         st.move(Phase.FINISHED)
         self._states.pop(st.request_id, None)
@@ -539,3 +545,15 @@ class EngineCore(SchedBook):
             return
         self.cache.release(st.request_id, now)
         self._leave_ledger(st)
+
+
+def output_filler(request_id: str, n_bytes: int) -> bytes:
+    """``n_bytes`` standing for a request's answer in the prefix cache when the caller did not
+    say what the answer adds to a later key: fixed by the request id, so no other request's
+    blocks share them (the simulated model's text is not the key bytes a client would send)."""
+    out = bytearray()
+    i = 0
+    while len(out) < n_bytes:
+        out += hashlib.blake2b(f"{request_id}:{i}".encode(), digest_size=64).digest()
+        i += 1
+    return bytes(out[:n_bytes])

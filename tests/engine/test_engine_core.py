@@ -51,8 +51,9 @@ def test_events_and_usage_of_one_request() -> None:
 def test_a_finished_answer_is_cached_for_the_turn_that_resends_it() -> None:
     """vLLM and SGLang cache a finished request's output tokens: a conversation's next turn,
     which resends the answer, finds it cached. 50 prompt tokens (200 bytes, 3 whole blocks of
-    64) and 30 output tokens: 320 bytes, 5 whole blocks cached after it ends; without the
-    answer's bytes (``answer_key``) only the prompt's 3."""
+    64) and 30 output tokens: 320 bytes, 5 whole blocks cached after it ends. Without the
+    answer's bytes (``answer_key``) its 5 blocks are cached all the same (they take room, as in
+    vLLM), but as bytes of its own: the next turn finds only the prompt's 3."""
     from dataclasses import replace
 
     prompt = bytes(range(65, 65 + 50)) * 4
@@ -63,7 +64,8 @@ def test_a_finished_answer_is_cached_for_the_turn_that_resends_it() -> None:
         c.submit(replace(req("A", 50, out=30, key=prompt), answer_key=answer_key), 0.0)
         run_until(c, 10.0)
         stored = [e for e in c.drain_events() if isinstance(e, BlockStored)]
-        assert sum(len(e.hashes) for e in stored) == cached * 4 // 64
+        assert sum(len(e.hashes) for e in stored) == 5
+        assert c.cache.used_blocks == 5  # (finished: cached, unpinned)
         c.submit(req("B", len(nxt) // 4, key=nxt, at=10.0), 10.0)
         outs = run_until(c, 20.0)
         assert outs[-1].usage is not None and outs[-1].usage.cached_tokens == cached
@@ -199,3 +201,14 @@ def test_usage_says_whether_the_slo_was_met() -> None:
     c.submit(req("late", 50, out=1, ttft_ms=1, at=20.0), 20.0)
     (late,) = [o.usage for o in run_until(c, 30.0) if o.usage is not None]
     assert late.ttft_ms > 1 and not late.slo_met
+
+
+def test_output_filler_is_fixed_by_the_request_and_unique_to_it() -> None:
+    """The bytes standing for an answer nobody resends: the same for a request every time (the
+    simulation is deterministic), different between requests (no two answers share a block)."""
+    from engine.core import output_filler
+
+    a = output_filler("r1", 200)
+    assert len(a) == 200 and a == output_filler("r1", 200)
+    assert a[:64] != output_filler("r2", 200)[:64]
+    assert output_filler("r1", 0) == b""
