@@ -13,8 +13,9 @@ When its prefill completes the request :meth:`commit` s its key blocks into the 
 :class:`~broker.events.BlockStored` for the newly stored chain; under a scheduler that caches
 chunks, each chunk's blocks as it completes, as vLLM and SGLang do); on finish it :meth:`release` s
 them: they stay cached, unpinned, until LRU eviction (a :class:`~broker.events.BlockRemoved`)
-makes room. A finished request whose answer a conversation's next turn will resend first
-:meth:`extend` s its key with the answer's whole blocks (vLLM and SGLang cache output tokens).
+makes room. A finished request first :meth:`extend` s its key with its output's whole blocks
+(vLLM and SGLang cache every full block, output tokens included): the answer a conversation's
+next turn resends, or bytes of its own that no key shares (:func:`engine.core.output_filler`).
 Only unpinned leaves are evicted, so a cached block's parent is always cached.
 
 Pure: ``now`` comes from the caller; nothing here reads a clock.

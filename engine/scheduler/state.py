@@ -64,8 +64,8 @@ class EngineRequest:
     kv_transfer_ms: float | None = None
     kv_transfer_tokens: int | None = None
     # what its answer adds to the key of the conversation's next turn (the simulated model's
-    # output as that turn resends it); b"": nothing. Cached when it finishes, as real engines
-    # cache a finished request's output tokens
+    # output as that turn resends it); b"": unknown, and bytes of its own stand for it. Cached
+    # when it finishes, as real engines cache a finished request's output tokens
     answer_key: bytes = b""
 
 
