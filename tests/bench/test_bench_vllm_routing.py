@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.bench_vllm_routing import (
+    QUESTION_TOKENS,
     Engine,
     drop_keys,
     main,
@@ -46,7 +47,7 @@ def test_the_replica_sizes_documents_in_the_profiles_tokens_with_zipf_popularity
     profile = load_profile("vllm-cpu-tiny")
     reqs = replica_workload(_args(), 0, profile)
     assert len(reqs) == 300
-    assert all(r.input_tokens == 300 + 15 and r.output_tokens == 8 for r in reqs)
+    assert all(r.input_tokens == 300 + QUESTION_TOKENS and r.output_tokens == 8 for r in reqs)
     seg = reqs[0].turns[0].segments[0]
     assert seg.n_bytes == 300 * profile.bytes_per_token  # 300 of the profile's tokens
     docs = [r.turns[0].segments[0].seed for r in reqs]
