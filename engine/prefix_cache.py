@@ -51,6 +51,7 @@ class _Alloc:
     reserved: int  # blocks reserved and not yet turned into cache nodes
     private: int  # of ``reserved``, the blocks past the key (cache nodes only by ``extend``)
     matched: int = 0  # leading key blocks that were cached when it reserved
+    key: bytes = b""  # the key it committed (b"": none yet; ``extend`` checks against it)
 
 
 @dataclass(slots=True)
@@ -149,6 +150,7 @@ class PrefixCache:
         """Store the request's key blocks (its prefill computed them), or only its first
         ``upto`` (a chunk of its prefill computed them: the rest follow); emits BlockStored."""
         alloc = self._alloc(request_id)
+        alloc.key = key
         hashes = alloc.hashes
         end = len(hashes) if upto is None else min(max(upto, alloc.pinned), len(hashes))
         self._track(hashes[alloc.pinned : end], -1)
@@ -207,11 +209,18 @@ class PrefixCache:
         alloc = self._alloc(request_id)
         if alloc.pinned < len(alloc.hashes):
             raise KvError(f"request {request_id} extends a key it has not committed")
-        hashes = self.key_hashes(key)
         n = len(alloc.hashes)
-        if hashes[:n] != alloc.hashes:
+        head = n * self.block_bytes
+        # its key's blocks are hashed already: compare the bytes (or, never committed, as its
+        # whole prompt was cached, the hashes) and hash only what follows
+        if alloc.key:
+            same = key.startswith(alloc.key[:head])
+        else:
+            same = self.key_hashes(key[:head]) == alloc.hashes
+        if not same:
             raise KvError(f"request {request_id} extends its key with another key")
-        extra = hashes[n : n + alloc.reserved]
+        tail = key[head : head + alloc.reserved * self.block_bytes]
+        extra = chain_hashes(alloc.hashes[-1] if n else None, split_blocks(tail, self.block_bytes))
         if not extra:
             return
         alloc.hashes = alloc.hashes + extra
