@@ -271,10 +271,18 @@ class View:
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float, max_scan: int = 64) -> float:
         """Preble's M_i: walk the engine's LRU (its likely eviction order) until ``need_bytes``
         are freed; each evicted prefix costs ``hit count (decayed over the window) x miss rate x
-        prefill time of its tokens``, the miss rate being ``1 / holders`` (a prefix other
-        engines also hold is cheaper to lose here), and at most one prefill of it (the next
-        request that wants it there recomputes it once: the window's hits are not each a miss).
-        Beyond ``max_scan`` nodes the cost of the scanned part is extrapolated."""
+        the prefill time its tokens add``, the miss rate being ``1 / holders`` (a prefix other
+        engines also hold is cheaper to lose here), at most once (the next request that wants
+        it there recomputes it once: the window's hits are not each a miss). What its tokens
+        add (:meth:`CostProfile.extra_prefill_ms`), not a prefill of their own: that request
+        prefills them with its own part and pays a prefill's fixed cost either way (priced as a
+        prefill alone, a 288-token document on the vLLM replica's model cost 7.2 ms to lose
+        where recomputing it adds 2.6, and requests left its holder for an engine with free
+        memory, copying it).
+        A node is priced whole even when the walk needs only its tail: the LRU takes the rest
+        of it next (priced by the blocks freed, 2-engine cells past the knee lost hits and up to
+        1.8 points; docs/router.md). Beyond ``max_scan`` nodes the cost of the scanned part is
+        extrapolated."""
         if need_bytes <= 0:
             return 0.0
         cl = self._cluster
@@ -298,10 +306,11 @@ class View:
             if hits > 0.0:
                 tokens = p.cached_tokens_for_bytes(size)
                 context = p.cached_tokens_for_bytes(node.start)
-                # the next request that wants it here prefills it again and caches it anew:
-                # one prefill at most, not one per hit of the window
+                # the next request that wants it here prefills it again with its own part and
+                # caches it anew: once at most, not once per hit of the window
                 misses = hits / max(holders, 1)
-                cost += (misses if misses < 1.0 else 1.0) * p.prefill_ms(tokens, context) * speed
+                extra = p.extra_prefill_ms(tokens, context)
+                cost += (misses if misses < 1.0 else 1.0) * extra * speed
             freed += size
             if freed >= need_bytes:
                 break

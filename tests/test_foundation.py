@@ -52,6 +52,23 @@ def test_default_profile_matches_preble_equation() -> None:
     assert p.block_bytes == 64
 
 
+def test_extra_prefill_is_the_tokens_share_without_a_prefills_fixed_cost() -> None:
+    """What recomputing evicted tokens adds to the prefill of the request that wants them: the
+    curve's last segment's slope, and their attention to the context, not a prefill of their
+    own (a 32-token block alone sits on the 22-ms floor)."""
+    p = default_profile()
+    slope = 0.10842571 / 0.9
+    assert p.extra_prefill_ms(0) == 0.0
+    assert p.extra_prefill_ms(32) == pytest.approx(32 * slope)
+    assert p.extra_prefill_ms(32) < p.prefill_ms(32) / 6
+    assert p.extra_prefill_ms(2000) == pytest.approx(2000 * slope)
+    assert p.extra_prefill_ms(2000) < p.prefill_ms(2000)
+    n, c = 1000, 2000  # n c > 1024^2: their attention to the context counts
+    attention = (1.13e-3 * n + 2.19e-6 * n * c) / 0.9
+    assert p.extra_prefill_ms(n, c) == pytest.approx(n * slope + attention)
+    assert p.slowed(2.0).extra_prefill_ms(500) == pytest.approx(2 * p.extra_prefill_ms(500))
+
+
 def test_prefill_share_is_what_the_decode_step_leaves_of_the_step_budget() -> None:
     assert prefill_share(0.0, 90.0) == 1.0  # nothing decodes
     assert prefill_share(30.0, 90.0) == pytest.approx(2 / 3)

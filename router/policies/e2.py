@@ -32,10 +32,12 @@ engine *when would this request's first token come out there, and what does it c
   queued there was due later, a conversation's next turn, arriving while the last one queued
   behind unrelated work, was priced without its history and sent away from it.)
   ``M_i`` is Preble's eviction cost (hit count x miss rate x prefill time of each prefix the
-  engine's LRU would evict), each prefix's capped at one prefill: the next request that wants
-  it there prefills and caches it again. (Preble's ``L`` and ``M`` both count a 3-minute window;
-  next to a per-request TTFT an uncapped ``M`` priced a full engine's old copy of a popular
-  document at dozens of prefills, and that engine starved.)
+  engine's LRU would evict), each prefix's capped at one recompute: the next request that
+  wants it there prefills it again with its own part and caches it anew, so losing it costs
+  what its tokens add to that prefill, not a prefill's fixed cost as well
+  (:meth:`router.view.View.eviction_ms`). (Preble's ``L`` and ``M`` both count a 3-minute
+  window; next to a per-request TTFT an uncapped ``M`` priced a full engine's old copy of a
+  popular document at dozens of prefills, and that engine starved.)
 
   The rest is the work the request takes from others (weight ``w``, ``work_weight``): its own
   prefill is GPU time (the 1) that delays the requests queued behind it (``behind_i``:

@@ -819,12 +819,14 @@ def _view(f: Fleet, now: float, engine: str = "e0"):
     return view, view.engine(engine)
 
 
-def test_evicting_a_prefix_costs_at_most_one_prefill_of_it() -> None:
+def test_evicting_a_prefix_costs_at_most_what_recomputing_it_adds_once() -> None:
     """Preble's M prices each prefix the engine's LRU would evict by its hits in the window
-    (over the engines holding it); the next request that wants it prefills it once and caches it
-    again, so one prefill is the most losing it can cost. Priced per hit, a full engine's old
-    copy of a popular document made it dearer than any other engine for minutes: on three vLLM
-    engines one of them got 20 of 300 requests (docs/router.md)."""
+    (over the engines holding it); the next request that wants it prefills it once, with its
+    own part, and caches it again, so what its tokens add to that prefill, once, is the most
+    losing it can cost. Priced per hit, a full engine's old copy of a popular document made it
+    dearer than any other engine for minutes: on three vLLM engines one of them got 20 of 300
+    requests (docs/router.md). Priced as a prefill of its own, every eviction carried a
+    prefill's fixed cost that the next request pays anyway."""
     f = Fleet(n=2)
     doc = b"popular document " * 512  # 8.5 KiB
     f.cache("e0", doc, 0.5)
@@ -834,13 +836,15 @@ def test_evicting_a_prefix_costs_at_most_one_prefill_of_it() -> None:
     prof = ev.profile
     tree = f.router.cluster.tree
     assert max(n.hit_count(2.0, tree.hit_tau_s) for n in tree.lru_nodes("e0")) > 10
-    one_prefill = prof.prefill_ms(prof.cached_tokens_for_bytes(len(doc)), 0)
+    tokens = prof.cached_tokens_for_bytes(len(doc))
+    recompute = prof.extra_prefill_ms(tokens, 0)
     evict = view.eviction_ms("e0", 1_024, 2.0)
-    assert evict == pytest.approx(one_prefill, rel=0.05)
-    # held by both engines, each copy counts for half the hits: still one prefill at most
+    assert evict == pytest.approx(recompute, rel=1e-3)
+    assert evict < prof.prefill_ms(tokens, 0) - 4.0  # not with the fixed cost of a prefill
+    # held by both engines, each copy counts for half the hits: still once at most
     f.cache("e1", doc, 2.5)
     view, _ = _view(f, 3.0)
-    assert view.eviction_ms("e0", 1_024, 3.0) == pytest.approx(one_prefill, rel=0.05)
+    assert view.eviction_ms("e0", 1_024, 3.0) == pytest.approx(recompute, rel=1e-3)
 
 
 def test_router_fits_each_engines_speed_from_its_reports() -> None:
