@@ -183,7 +183,7 @@ class CostProfile:
         t = max(float(tokens), 0.0)
         if t <= 0:
             return 0.0
-        start = max(seg.min_tokens for seg in self.segments)
+        start = self.segments[0].min_tokens  # (sorted by min_tokens, descending)
         base = segments_ms(self.segments, start + t) - segments_ms(self.segments, start)
         c = max(float(context_tokens), 0.0)
         if t * c > self.attn_threshold:
