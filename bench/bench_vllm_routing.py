@@ -33,9 +33,10 @@ evicted (whole blocks only), the most a router that keeps one copy of each docum
 Zipf popularity, questions, 8 output tokens) in kvgate's simulator instead, with N workload
 seeds, no vLLM needed: three engines of ``--profile`` serving in arrival order (vLLM's
 scheduler) with the profile's KV blocks, Poisson arrivals at ``--sim-rate`` (the live runs'
-pace at concurrency 4). It measures how often a router lets one engine take over 45% of the
-requests, and at what hit rate, over many workloads instead of one (the simulated engine's
-model: ``docs/bench.md``). Saves ``results/vllm_routing_replica.json``.
+pace at concurrency 4), or with ``--sim-concurrency N`` sent as the live run's N clients send
+them (closed loop: the first N at once). It measures how often a router lets one engine take
+over 45% of the requests, and at what hit rate, over many workloads instead of one (the
+simulated engine's model: ``docs/bench.md``). Saves ``results/vllm_routing_replica.json``.
 """
 
 from __future__ import annotations
@@ -274,14 +275,19 @@ def one_copy_hit_rate(token_ids: list[list[int]], block_tokens: int) -> float:
 def replica_workload(args: argparse.Namespace, seed: int, profile: CostProfile) -> list[Request]:
     """The live workload's shape for the simulator: ``args.documents`` documents of
     ``args.doc_tokens`` of the profile's tokens, Zipf(1.0) popular, a unique question each, 8
-    output tokens, Poisson arrivals at ``args.sim_rate``."""
+    output tokens, Poisson arrivals at ``args.sim_rate``; or, with ``args.sim_concurrency``
+    N > 0, as the live run's N clients send them: the first N at once, then each one when the
+    answer N requests before it has ended (``Request.after``; the live clients take the next
+    prompt as each finishes, so the first requests of the first documents start together)."""
     rng = random.Random(f"vllm-routing-replica:{seed}")
     zipf = Zipf(args.documents, 1.0)
     bpt = profile.bytes_per_token
+    closed = getattr(args, "sim_concurrency", 0)
     out: list[Request] = []
     t = 0.0
     for i in range(args.requests):
-        t += rng.expovariate(args.sim_rate)
+        gap = rng.expovariate(args.sim_rate)
+        t = 0.0 if closed else t + gap
         doc = zipf.sample(rng)
         segs = (
             Segment(content_seed("vllm-routing-doc", seed, doc), args.doc_tokens * bpt),
@@ -295,6 +301,7 @@ def replica_workload(args: argparse.Namespace, seed: int, profile: CostProfile) 
                 input_tokens=args.doc_tokens + QUESTION_TOKENS,
                 output_tokens=8,
                 kind="doc_qa",
+                after=f"vr-{seed}-{i - closed}" if closed and i >= closed else None,
             )
         )
     return out
@@ -507,12 +514,26 @@ def main(argv: list[str] | None = None) -> int:
         help="--simulate: requests per second (the live runs' pace at concurrency 4: 300 "
         "requests in 3.8-4.5 s on the development machine, 2026-11-28)",
     )
+    ap.add_argument(
+        "--sim-concurrency",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--simulate: N clients instead of Poisson arrivals, each sending its next request "
+        "when its answer ends, as the live runs' --concurrency clients do (0: --sim-rate)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.simulate:
-        if args.simulate < 1 or not args.sim_rate > 0 or args.requests < 1 or args.documents < 1:
-            print("--simulate, --sim-rate, --requests and --documents must be positive",
-                  file=sys.stderr)  # fmt: skip
+        if (
+            args.simulate < 1
+            or not args.sim_rate > 0
+            or args.requests < 1
+            or args.documents < 1
+            or args.sim_concurrency < 0
+        ):
+            print("--simulate, --sim-rate, --requests and --documents must be positive, "
+                  "--sim-concurrency at least 0", file=sys.stderr)  # fmt: skip
             return 2
         args.out = args.out or REPLICA_RESULT
         routers = list(_names(args.routers))

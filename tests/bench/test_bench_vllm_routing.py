@@ -23,6 +23,7 @@ from bench.bench_vllm_routing import (
     router_view,
     run_once,
 )
+from bench.sim.runner import SimConfig, run_one
 from kvgate.cost_model import load_profile
 
 
@@ -189,3 +190,35 @@ def test_a_runs_redis_keys_are_deleted_after_it_and_no_others(redis_url: str, re
         client.close()
     # an unreachable Redis is reported, not raised: the run's figures are already taken
     drop_keys("redis://127.0.0.1:1/0", run)
+
+
+def test_the_closed_loop_replica_sends_each_request_when_the_one_a_client_sent_before_ends():
+    """--sim-concurrency N: the live run's N clients, not Poisson arrivals. The first N
+    requests start together (the first documents' first requests meet idle and busy engines
+    as they do live), and request i waits for the answer to request i - N."""
+    profile = load_profile("vllm-cpu-tiny")
+    poisson = replica_workload(_args(), 0, profile)
+    closed = replica_workload(_args(sim_concurrency=4), 0, profile)
+    assert [r.turns for r in closed] == [r.turns for r in poisson]  # the same documents
+    assert all(r.arrival == 0.0 for r in closed)
+    assert [r.after for r in closed[:4]] == [None] * 4
+    assert [r.after for r in closed[4:7]] == [r.request_id for r in closed[:3]]
+
+
+def test_simulate_with_clients_keeps_at_most_that_many_requests_open(tmp_path: Path):
+    profile = load_profile("vllm-cpu-tiny")
+    reqs = replica_workload(_args(requests=60, sim_concurrency=3), 0, profile)
+    records: list = []
+    cfg = SimConfig(engines=3, profile="vllm-cpu-tiny", seed=0)
+    run_one(reqs, "round_robin", "fcfs", cfg, records=records)
+    assert len(records) == 60 and all(r.ok for r in records)
+    edges = sorted([(r.arrival, 1) for r in records] + [(r.arrival + r.e2e_s, -1) for r in records])
+    open_now = peak = 0
+    for _, step in edges:  # (an end at the instant of the next send counts first)
+        open_now += step
+        peak = max(peak, open_now)
+    assert peak == 3  # three clients, each with one request open at a time
+    out = tmp_path / "closed.json"
+    argv = ["--simulate", "1", "--requests", "30", "--routers", "round_robin", "--out", str(out)]
+    assert main([*argv, "--sim-concurrency", "2"]) == 0
+    assert main([*argv, "--sim-concurrency", "-1"]) == 2
