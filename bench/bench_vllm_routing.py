@@ -282,11 +282,11 @@ def replica_workload(args: argparse.Namespace, seed: int, profile: CostProfile) 
     rng = random.Random(f"vllm-routing-replica:{seed}")
     zipf = Zipf(args.documents, 1.0)
     bpt = profile.bytes_per_token
-    closed = getattr(args, "sim_concurrency", 0)
+    closed = args.sim_concurrency
     out: list[Request] = []
     t = 0.0
     for i in range(args.requests):
-        gap = rng.expovariate(args.sim_rate)
+        gap = rng.expovariate(args.sim_rate)  # (drawn either way: a seed's documents are one)
         t = 0.0 if closed else t + gap
         doc = zipf.sample(rng)
         segs = (

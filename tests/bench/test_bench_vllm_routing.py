@@ -40,7 +40,9 @@ def test_the_one_copy_ceiling_counts_whole_blocks_of_earlier_prompts_only():
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(documents=12, doc_tokens=300, requests=300, sim_rate=16.0, engines=3)
+    base = dict(
+        documents=12, doc_tokens=300, requests=300, sim_rate=16.0, engines=3, sim_concurrency=0
+    )
     return argparse.Namespace(**(base | kw))
 
 
