@@ -371,6 +371,8 @@ class Cluster(ClusterState):
         self._load.append(entry)
         eng.load_prefill_ms += prefill
         eng.load_out_tokens += req.max_tokens
+        self._window_prefill_ms += prefill
+        self._window_out_tokens += req.max_tokens
         eng.load_requests += 1
         self._load_dirty[engine_id] = eng
         g = eng.groups.get(group)
@@ -537,6 +539,8 @@ class Cluster(ClusterState):
         load = self._load
         while load and load[0][0] < horizon:
             t, engine_id, group, prefill, out, key_len = load.popleft()
+            self._window_prefill_ms -= prefill
+            self._window_out_tokens -= out
             eng = self.engines.get(engine_id)
             if eng is None:
                 continue

@@ -134,6 +134,9 @@ class ClusterState:
         self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
         # [t, engine, group, prefill_ms, out_tokens, key bytes]
         self._load: deque[list] = deque()
+        # what the window holds, summed over the engines (moves change only whose it is)
+        self._window_prefill_ms = 0.0
+        self._window_out_tokens = 0
         # the engine the last routed request went to, when there it missed part of a prefix
         # its group reuses there (else None)
         self.reuse_missed_on: str | None = None
@@ -174,6 +177,15 @@ class ClusterState:
     def inflight_count(self) -> int:
         """Requests routed and not yet finished, rejected or timed out."""
         return len(self._inflight)
+
+    def window_requests(self) -> int:
+        """The requests routed within the load window (to any engine, also one gone since)."""
+        return len(self._load)
+
+    def window_load_ms(self, clock_ms: float) -> float:
+        """Every engine's windowed load (Preble's L) summed, with every output token priced at
+        a TPOT of ``clock_ms`` (E2's rebalancing compares the busiest with the fleet's mean)."""
+        return max(self._window_prefill_ms, 0.0) + max(self._window_out_tokens, 0) * clock_ms
 
     def _engine(self, engine_id: str) -> _Engine:
         eng = self.engines.get(engine_id)

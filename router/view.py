@@ -93,6 +93,16 @@ class View:
         """The requests ever routed, to any engine (E2's warm-up)."""
         return self._cluster.routed_total
 
+    def window_requests(self) -> int:
+        """The requests routed within the load window, to any engine (also one that has left
+        since)."""
+        return self._cluster.window_requests()
+
+    def window_load_ms(self, clock_ms: float) -> float:
+        """The fleet's windowed load (every engine's ``window_ms`` summed, also an engine's
+        that has left since), its output tokens priced at a TPOT of ``clock_ms``."""
+        return self._cluster.window_load_ms(clock_ms)
+
     def reuse_missed_on(self) -> str | None:
         """The engine the request just routed went to, if it found less of its prefix group's
         shared part cached there than an earlier request of the group did (that engine

@@ -32,6 +32,8 @@ ALIASES: dict[str, str] = {
     "e2-lru-room": "e2[room_for_writes=true,relieve_thrash=true]",
     "e2-by-lifetime": "e2[by_lifetime=true]",
     "e2-admission": "e2[shed_expected=true]",
+    "e2-preble-trigger": "e2[balance_trigger=0]",
+    "e2-wait-for-room": "e2[make_way=false]",
 }
 
 

@@ -286,6 +286,16 @@ class ClusterView(Protocol):
         """The requests ever routed, to any engine."""
         ...
 
+    def window_requests(self) -> int:
+        """The requests routed within the load window, to any engine (each engine's share is
+        its ``window_requests``)."""
+        ...
+
+    def window_load_ms(self, clock_ms: float) -> float:
+        """Every engine's windowed load (``window_ms``) summed, with every output token priced
+        at a TPOT of ``clock_ms`` (one clock: measured TPOTs differ by contention)."""
+        ...
+
     def reuse_missed_on(self) -> str | None:
         """The engine the request just routed went to, if it found less of its prefix group's
         shared part cached there than an earlier request of the group did; else None."""

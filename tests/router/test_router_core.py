@@ -257,6 +257,35 @@ def test_the_window_counts_its_requests_through_moves_and_expiry() -> None:
     assert (cl.engine_view(e0).window_requests, cl.engine_view(e1).window_requests) == (1, 1)
 
 
+def test_the_fleet_s_windowed_load_is_its_engines_summed_through_moves_and_expiry() -> None:
+    """E2's rebalancing compares the busiest engine with the fleet's mean windowed load, every
+    output token priced at one TPOT: the sum of the engines' prefill work and output tokens in
+    the window, which a move leaves as it is and the window's end takes away."""
+    f = Fleet(n=2, policy="round_robin")
+    cl = f.router.cluster
+
+    def summed(clock_ms: float) -> float:
+        return sum(
+            e.window_ms + e.window_out_tokens * (clock_ms - e.tpot_ms)
+            for e in (cl.engine_view(x) for x in cl.engines.values())
+        )
+
+    for i in range(4):
+        f.route(f"a{i}", b"A" * 4096 + bytes([i]), 1.0 + i, max_tokens=10 + i)
+    assert cl.window_load_ms(20.0) == pytest.approx(summed(20.0))
+    assert cl.window_load_ms(20.0) - cl.window_load_ms(10.0) == pytest.approx(10 * 46)
+    e0 = cl.engines["e0"]
+    group = next(iter(e0.groups))
+    before = cl.window_load_ms(20.0)
+    cl.apply_moves([Move(group, "e0", "e1")], 6.0)
+    assert cl.window_load_ms(20.0) == pytest.approx(before)
+    cl.expire(2.5 + cl.config.window_s)  # a0 and a1 leave the window
+    assert cl.window_load_ms(20.0) == pytest.approx(summed(20.0))
+    assert cl.window_load_ms(20.0) - cl.window_load_ms(10.0) == pytest.approx(10 * 25)
+    cl.expire(10.0 + cl.config.window_s)
+    assert cl.window_load_ms(20.0) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_prefills_routed_and_not_done_count_as_kv_about_to_be_written() -> None:
     """Until its prefill is done (first token) a routed request's uncached tokens are KV the
     engine will write but has not announced: the view says so (E2's tie-break counts it
