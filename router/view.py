@@ -93,15 +93,24 @@ class View:
         """The requests ever routed, to any engine (E2's warm-up)."""
         return self._cluster.routed_total
 
-    def window_requests(self) -> int:
-        """The requests routed within the load window, to any engine (also one that has left
-        since)."""
-        return self._cluster.window_requests()
-
-    def window_load_ms(self, clock_ms: float) -> float:
-        """The fleet's windowed load (every engine's ``window_ms`` summed, also an engine's
-        that has left since), its output tokens priced at a TPOT of ``clock_ms``."""
-        return self._cluster.window_load_ms(clock_ms)
+    def window_means(self, clock_ms: float) -> tuple[float, float]:
+        """The candidates' mean windowed load (output tokens priced at a TPOT of ``clock_ms``)
+        and mean windowed requests (E2's rebalancing trigger). Where every engine the router
+        knows is a candidate (one model, no roles, none draining or gone), the cluster's running
+        sums; else a pass over the candidates (their views as this decision read them)."""
+        engines = self.engines
+        n = len(engines)
+        if n == 0:
+            return 0.0, 0.0
+        cl = self._cluster
+        if n == len(cl.engines):
+            return cl.window_load_ms(clock_ms) / n, cl.window_requests() / n
+        load = 0.0
+        requests = 0
+        for e in engines:
+            load += e.window_ms + e.window_out_tokens * (clock_ms - e.tpot_ms)
+            requests += e.window_requests
+        return load / n, requests / n
 
     def reuse_missed_on(self) -> str | None:
         """The engine the request just routed went to, if it found less of its prefix group's

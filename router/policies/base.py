@@ -286,14 +286,10 @@ class ClusterView(Protocol):
         """The requests ever routed, to any engine."""
         ...
 
-    def window_requests(self) -> int:
-        """The requests routed within the load window, to any engine (each engine's share is
-        its ``window_requests``)."""
-        ...
-
-    def window_load_ms(self, clock_ms: float) -> float:
-        """Every engine's windowed load (``window_ms``) summed, with every output token priced
-        at a TPOT of ``clock_ms`` (one clock: measured TPOTs differ by contention)."""
+    def window_means(self, clock_ms: float) -> tuple[float, float]:
+        """The candidates' mean windowed load (``window_ms`` with every output token priced at
+        a TPOT of ``clock_ms``: one clock, as measured TPOTs differ by contention) and their
+        mean windowed requests."""
         ...
 
     def reuse_missed_on(self) -> str | None:

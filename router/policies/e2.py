@@ -693,10 +693,10 @@ class E2(PolicyBase):
             return ()
         # ... and balance_trigger x the fleet's mean, by windowed load (on the busiest's clock)
         # or by requests (an engine serving hits takes many requests for its load)
-        n = len(view.engines)
+        mean_ms, mean_requests = view.window_means(busiest.tpot_ms)
         if (
-            busiest.window_ms < cfg.balance_trigger * view.window_load_ms(busiest.tpot_ms) / n
-            and busiest.window_requests < cfg.balance_trigger * view.window_requests() / n
+            busiest.window_ms < cfg.balance_trigger * mean_ms
+            and busiest.window_requests < cfg.balance_trigger * mean_requests
         ):
             return ()
         # the least busy engine first; when nothing can move there (no room in its cache for
@@ -803,7 +803,8 @@ class E2(PolicyBase):
             # full cache evicts one of them, whose requests still come there and evict another
             # in turn (on three vLLM engines of 64 KV blocks, moves without this check cost up
             # to 0.06 of hit rate; letting the prefixes reused less often than the moved one
-            # make way, as before the thirty-third session, thrashed the same way: docs/router.md)
+            # make way, as before the thirty-third session, thrashed the same way: docs/router.md),
+            # unless no engine tried has that room (``make_way``: the second pass, not strict)
             reused = cfg.min_group_requests
             if not (cfg.room_beside_all_reused and strict):
                 reused = max(g.requests, reused)

@@ -286,6 +286,32 @@ def test_the_fleet_s_windowed_load_is_its_engines_summed_through_moves_and_expir
     assert cl.window_load_ms(20.0) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_the_view_s_window_means_are_over_its_candidates_only() -> None:
+    """E2's trigger compares the busiest candidate with the candidates' mean: with every engine
+    a candidate, the cluster's running sums; with one draining (or another model's, or a
+    decode-only one), a pass over the candidates, not the whole fleet's sums over fewer
+    engines."""
+    f = Fleet(n=3, policy="round_robin")
+    cl = f.router.cluster
+    for i in range(6):
+        f.route(f"a{i}", b"A" * 4096 + bytes([i]), 1.0 + i, max_tokens=10)
+
+    def view() -> View:
+        req = RouteRequest("x", "m", b"x", 1, 1)
+        return View(cl, cl.candidates(req, 8.0), {}, f.router.rng, model="m", now=8.0)
+
+    every = view()
+    assert len(every.engines) == 3
+    load, requests = every.window_means(20.0)
+    assert load == pytest.approx(cl.window_load_ms(20.0) / 3) and requests == 2.0
+    f.router.set_draining("e2", True)
+    two = view()
+    assert [e.engine_id for e in two.engines] == ["e0", "e1"]
+    load, requests = two.window_means(20.0)
+    want = sum(e.window_ms + e.window_out_tokens * (20.0 - e.tpot_ms) for e in two.engines) / 2
+    assert load == pytest.approx(want) and requests == 2.0  # not 6 requests over 2 engines
+
+
 def test_prefills_routed_and_not_done_count_as_kv_about_to_be_written() -> None:
     """Until its prefill is done (first token) a routed request's uncached tokens are KV the
     engine will write but has not announced: the view says so (E2's tie-break counts it

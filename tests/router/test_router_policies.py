@@ -119,11 +119,10 @@ class FakeView:
     def routed_total(self) -> int:
         return sum(e.routed_total for e in self.engines)
 
-    def window_requests(self) -> int:
-        return sum(e.window_requests for e in self.engines)
-
-    def window_load_ms(self, clock_ms: float) -> float:
-        return sum(e.window_ms + e.window_out_tokens * (clock_ms - e.tpot_ms) for e in self.engines)
+    def window_means(self, clock_ms: float) -> tuple[float, float]:
+        n = len(self.engines)
+        load = sum(e.window_ms + e.window_out_tokens * (clock_ms - e.tpot_ms) for e in self.engines)
+        return load / n, sum(e.window_requests for e in self.engines) / n
 
     def reuse_missed_on(self) -> str | None:
         return self.missed_on
