@@ -108,7 +108,7 @@ class View:
         load = 0.0
         requests = 0
         for e in engines:
-            load += e.window_ms + e.window_out_tokens * (clock_ms - e.tpot_ms)
+            load += e.window_on_clock(clock_ms)
             requests += e.window_requests
         return load / n, requests / n
 

@@ -154,6 +154,12 @@ class EngineView:
         ``free_bytes``): measured from its blocks, else its profile's guess."""
         return tokens * (self.key_bytes_per_token or self.profile.bytes_per_token)
 
+    def window_on_clock(self, clock_ms: float) -> float:
+        """``window_ms`` with its output tokens priced at a TPOT of ``clock_ms`` instead of the
+        engine's own measured one (engines compared on one clock: behind the vLLM bridge a
+        measured TPOT counts the prefill chunks in the engine's steps)."""
+        return self.window_ms + self.window_out_tokens * (clock_ms - self.tpot_ms)
+
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
 

@@ -778,7 +778,7 @@ class E2(PolicyBase):
         # (on one clock, as the two were compared: behind the bridge a measured TPOT counts
         # the prefill chunks in the engine's steps)
         clock = (busiest.tpot_ms + least.tpot_ms) / 2.0
-        hi, lo = _window_on_clock(busiest, clock), _window_on_clock(least, clock)
+        hi, lo = busiest.window_on_clock(clock), least.window_on_clock(clock)
         moves: list[Move] = []
         for g in view.groups_on(busiest.engine_id, cfg.min_group_requests):
             if g.requests < cfg.min_group_requests:
@@ -828,13 +828,8 @@ def _busier_on_one_clock(busiest: EngineView, least: EngineView, ratio: float) -
     engine with the most requests (which ended with 48% of them). Engines of one speed class
     (the ``SAME_SPEED`` check) decode at one rate; their measured TPOTs differ by contention."""
     clock = (busiest.tpot_ms + least.tpot_ms) / 2.0
-    hi = _window_on_clock(busiest, clock)
-    return hi > 0.0 and hi >= ratio * _window_on_clock(least, clock)
-
-
-def _window_on_clock(ev: EngineView, clock_ms: float) -> float:
-    """``ev``'s windowed load with its output tokens priced at a TPOT of ``clock_ms``."""
-    return ev.window_ms + ev.window_out_tokens * (clock_ms - ev.tpot_ms)
+    hi = busiest.window_on_clock(clock)
+    return hi > 0.0 and hi >= ratio * least.window_on_clock(clock)
 
 
 def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
@@ -858,9 +853,9 @@ def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
         return first
     clock = sum(e.tpot_ms for e in same) / len(same)
     best = first
-    most = _window_on_clock(first, clock)
+    most = first.window_on_clock(clock)
     for e in same[1:]:
-        load = _window_on_clock(e, clock)
+        load = e.window_on_clock(clock)
         # (equal loads: the lowest position)
         if load > most or (load == most and e.position < best.position):
             best, most = e, load

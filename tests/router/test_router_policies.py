@@ -121,7 +121,7 @@ class FakeView:
 
     def window_means(self, clock_ms: float) -> tuple[float, float]:
         n = len(self.engines)
-        load = sum(e.window_ms + e.window_out_tokens * (clock_ms - e.tpot_ms) for e in self.engines)
+        load = sum(e.window_on_clock(clock_ms) for e in self.engines)
         return load / n, sum(e.window_requests for e in self.engines) / n
 
     def reuse_missed_on(self) -> str | None:
