@@ -26,6 +26,7 @@ from bench.workloads.request import (
 )
 from bench.workloads.transform import (
     assign_slo,
+    at_bytes_per_token,
     describe,
     limit,
     merge,
@@ -195,4 +196,5 @@ def build_workload(
     reqs = scale_rate(reqs, opts.rate_scale)
     reqs = limit(reqs, opts.max_requests)
     spec = opts.slo or DEFAULT_SLO.get(kind, "keep")
-    return assign_slo(reqs, spec, profile or default_profile())
+    profile = profile or default_profile()
+    return at_bytes_per_token(assign_slo(reqs, spec, profile), profile.bytes_per_token)

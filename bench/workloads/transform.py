@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from bench.workloads.request import Request, content_seed
+from bench.workloads.request import BYTES_PER_TOKEN, Request, Segment, Turn, content_seed
 from kvgate.cost_model import CostProfile
 from kvgate.slo import SLO_CLASSES, Slo
 
@@ -76,6 +76,32 @@ def thin(requests: Sequence[Request], keep: float, seed: int = 0) -> list[Reques
         return list(requests)
     cut = int(keep * 2**64)
     return [r for r in requests if content_seed(f"thin{seed}", r.request_id) * 2 < cut]
+
+
+def at_bytes_per_token(requests: Sequence[Request], bytes_per_token: float) -> list[Request]:
+    """The requests with their text resized from kvgate's token rule (``BYTES_PER_TOKEN``
+    bytes a token, as every workload is written) to ``bytes_per_token``, an engine profile's
+    tokenizer: each segment keeps its token count, so shared prefixes stay shared and a
+    trace's hash blocks stay whole blocks of the engine's cache. Why: the router reads a
+    prompt's tokens off its bytes at the profile's rate, as engines cache them; written at 4
+    bytes a token for a 2-byte profile (``vllm-cpu-small``), every prompt looked twice as long
+    to the router as the engine prefilled it, and e2 refused Mooncake's long prompts as too
+    slow to decode."""
+    if bytes_per_token == BYTES_PER_TOKEN:
+        return list(requests)
+    if not bytes_per_token > 0:
+        raise ValueError("bytes_per_token must be positive")
+
+    def seg(s: Segment) -> Segment:
+        return Segment(s.seed, max(1, round(s.n_bytes * bytes_per_token / BYTES_PER_TOKEN)))
+
+    return [
+        r.with_(
+            turns=tuple(Turn(t.role, tuple(seg(s) for s in t.segments)) for t in r.turns),
+            reply=seg(r.reply) if r.reply is not None else None,
+        )
+        for r in requests
+    ]
 
 
 def merge(*workloads: Iterable[Request]) -> list[Request]:

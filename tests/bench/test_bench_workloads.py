@@ -30,7 +30,7 @@ from bench.workloads.traces import (
     load_hash_trace,
 )
 from bench.workloads.transform import SloSpecError, parse_slo_spec, scaled_slo
-from kvgate.cost_model import default_profile
+from kvgate.cost_model import default_profile, load_profile
 from kvgate.openai_request import parse_request
 from kvgate.slo import SLO_CLASSES
 
@@ -380,3 +380,36 @@ def test_spread_ties_orders_simultaneous_requests() -> None:
     ids = [r.request_id for r in spread if r.request_id in {q.request_id for q in same_second}]
     assert ids == [r.request_id for r in same_second]  # ties keep their trace order
     assert spread_ties(reqs, 0) == reqs
+
+
+def test_workloads_are_written_in_the_profiles_bytes_per_token() -> None:
+    """With an engine profile whose tokenizer takes 2 bytes a token, a workload's prompts are
+    written at that rate: the same requests and token counts, each prompt's bytes read at the
+    profile's rate giving back its tokens (the router reads them so), shared prefixes and
+    resent answers still shared."""
+    small = load_profile("vllm-cpu-small")
+    assert small.bytes_per_token == 2
+    opts = WorkloadOptions(max_requests=40)
+    four = build_workload("mooncake", opts)
+    two = build_workload("mooncake", opts, profile=small)
+    assert [(r.request_id, r.arrival, r.input_tokens) for r in four] == [
+        (r.request_id, r.arrival, r.input_tokens) for r in two
+    ]
+    for a, b in zip(four, two, strict=True):
+        assert len(b.key()) * 2 == len(a.key())
+        assert small.tokens_for_bytes(len(b.key())) == b.input_tokens
+    # requests sharing their first hash block share its bytes at either rate
+    keys = [r.key()[:64] for r in four]
+    pairs = [(i, j) for i in range(40) for j in range(i) if keys[i] == keys[j]]
+    assert pairs
+    for i, j in pairs:
+        assert two[i].key()[:32] == two[j].key()[:32]
+    opts = WorkloadOptions(seed=2, rate=5, duration=60)
+    chats = build_workload("chat_sessions", opts, profile=small)
+    by_id = {r.request_id: r for r in chats}
+    followers = [r for r in chats if r.after is not None]
+    assert followers
+    for r in followers:
+        before = by_id[r.after or ""]
+        assert r.key().startswith(before.key() + before.answer_key())
+        assert len(before.answer_key()) == 2 * before.output_tokens + 1
