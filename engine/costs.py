@@ -66,6 +66,37 @@ def least_squares(
     return [xj / s for xj, s in zip(x, scale, strict=True)]
 
 
+def nonnegative_least_squares(
+    rows: Sequence[Sequence[float]], targets: Sequence[float]
+) -> list[float]:
+    """:func:`least_squares` with every coefficient >= 0: the least-squares fit on each subset
+    of the columns (the others 0) whose coefficients are all >= 0, the one with the smallest
+    residual (exact; 2^n fits, for the few columns of a cost model). A time that falls as a
+    load grows is no engine's: fitted freely on a tiny model's noisy steps, the decode cost per
+    request and token came out negative, the step of a long context negative too, and the
+    router priced such requests below nothing. Raises ValueError if no subset is well posed."""
+    n = len(rows[0]) if rows else 0
+    best: list[float] | None = None
+    best_res = math.inf
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        try:
+            sub = least_squares([[r[j] for j in cols] for r in rows], targets)
+        except ValueError:
+            continue
+        if any(x < 0.0 for x in sub):
+            continue
+        coef = [0.0] * n
+        for j, x in zip(cols, sub, strict=True):
+            coef[j] = x
+        res = math.fsum((_dot(r, coef) - t) ** 2 for r, t in zip(rows, targets, strict=True))
+        if res < best_res:
+            best, best_res = coef, res
+    if best is None:
+        raise ValueError("no non-negative least-squares fit: the columns are rank deficient")
+    return best
+
+
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
     return math.fsum(x * y for x, y in zip(a, b, strict=True))
 

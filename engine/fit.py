@@ -15,7 +15,8 @@ Model fit by least squares (:func:`engine.costs.least_squares`):
 * prefill: ``p0 + p1 n + p2 n^2 + a_c c + a_nc n c`` (``--prefill-degree 1`` drops ``n^2``),
   written as one segment from 0 tokens, an attention term applied whenever ``n c > 0``, and
   efficiency 1;
-* decode: SCORPIO's ``a B L + b B + c L + d``.
+* decode: SCORPIO's ``a B L + b B + c L + d``, every coefficient >= 0 (a step never shortens
+  with more requests or more context).
 
 Capacity fields (KV blocks, block size, token rule, limits) come from a base profile.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from engine.costs import least_squares
+from engine.costs import least_squares, nonnegative_least_squares
 from kvgate.cost_model import CostProfile, PrefillSegment, ProfileError
 
 
@@ -112,7 +113,7 @@ def fit_profile(
             [prefill_row(n, c) for n, c, _ in samples.prefill],
             [ms for _, _, ms in samples.prefill],
         )
-        dc = least_squares(
+        dc = nonnegative_least_squares(  # (a step never shortens with more of either)
             [(b * ctx, b, ctx, 1.0) for b, ctx, _ in samples.decode],
             [ms for _, _, ms in samples.decode],
         )

@@ -145,6 +145,7 @@ class CostProfile:
             if not value > 0:
                 raise ProfileError(f"{self.name}: {what} must be positive")
         self._check_prefill_grows()
+        self._check_decode_grows()
 
     def _check_prefill_grows(self) -> None:
         """Reject a prefill curve that falls as tokens grow (:func:`first_fall`): Preble's
@@ -159,6 +160,25 @@ class CostProfile:
                 f"tokens, {ms2 / eff:.2f} ms at {n2}): correct the segments or refit "
                 "(kvgate engine fit-profile)"
             )
+
+    def _check_decode_grows(self) -> None:
+        """Reject a decode step that shortens as requests or context grow: every coefficient
+        of ``a B L + b B + c L + d`` >= 0. ``vllm-cpu-tiny`` was fit with ``a`` < 0 on noisy
+        steps: a request's share of a step (``a L + b``) fell below 0 past 410 tokens of
+        context, the router priced long requests' decode below nothing, and on Mooncake's
+        prompts every engine's cost fell outside the tie band and e2 had no engine to pick."""
+        for value, what in (
+            (self.decode_a, "a"),
+            (self.decode_b, "b"),
+            (self.decode_c, "c"),
+            (self.decode_d, "d"),
+        ):
+            if not (value >= 0.0 and math.isfinite(value)):
+                raise ProfileError(
+                    f"{self.name}: decode coefficient {what} = {value!r}: every decode "
+                    "coefficient must be a finite number >= 0 (a step never shortens with more "
+                    "requests or more context); refit (kvgate engine fit-profile)"
+                )
 
     # ------------------------------------------------------------------ prefill
 

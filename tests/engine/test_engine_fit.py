@@ -83,3 +83,45 @@ def test_a_fit_whose_prefill_curve_turns_down_is_refused() -> None:
         fit_profile(read_samples(rows), "bent", default_profile())
     profile, _ = fit_profile(read_samples(rows), "straight", default_profile(), prefill_degree=1)
     assert profile.prefill_ms(8192) > profile.prefill_ms(4096)
+
+
+def test_decode_fit_keeps_every_coefficient_non_negative() -> None:
+    """Steps whose free fit has a negative per-request-token cost (vllm-cpu-tiny's measured
+    steps: the same few ms whatever the batch at 344 tokens) are fit with every coefficient
+    >= 0, and the profile's step then never shortens with the batch or the context; data the
+    model fits with positive coefficients is fit as freely."""
+    from engine.costs import least_squares, nonnegative_least_squares
+
+    steps = [
+        (1, 120, 1.547), (2, 120, 1.583), (4, 120, 1.834), (8, 120, 2.049), (16, 120, 2.545),
+        (1, 344, 1.491), (2, 344, 1.751), (4, 344, 1.927), (8, 344, 1.901), (16, 344, 1.856),
+    ]  # fmt: skip
+    rows = [(b * L, b, L, 1.0) for b, L, _ in steps]
+    free = least_squares(rows, [ms for *_, ms in steps])
+    assert free[0] < 0  # (what a free fit makes of them)
+    kept = nonnegative_least_squares(rows, [ms for *_, ms in steps])
+    assert all(x >= 0 for x in kept)
+    lines = [orjson.dumps({"batch": b, "mean_context": L, "step_ms": ms}) for b, L, ms in steps]
+    lines += [
+        orjson.dumps({"new_tokens": n, "prefill_ms": 4.5 + 0.009 * n}) for n in (32, 128, 400)
+    ]
+    profile, _ = fit_profile(read_samples(lines), "tiny", default_profile(), prefill_degree=1)
+    for b in (1, 8, 64):
+        steps_ms = [profile.decode_step_ms(b, L) for L in (100, 1_000, 100_000)]
+        assert steps_ms == sorted(steps_ms) and steps_ms[0] > 0
+    clean = _rows(0.0)
+    profile, _ = fit_profile(read_samples(clean), "gpu-x", default_profile())
+    assert profile.decode_a == pytest.approx(2e-5, rel=1e-6)
+
+
+def test_a_profile_whose_decode_step_shortens_is_refused() -> None:
+    from dataclasses import replace
+
+    from kvgate.cost_model import ProfileError
+
+    with pytest.raises(ProfileError, match="decode coefficient a"):
+        replace(default_profile(), name="bad", decode_a=-2.3e-4)
+    with pytest.raises(ProfileError, match="decode coefficient d"):
+        replace(default_profile(), name="bad", decode_d=float("nan"))
+    tiny = load_profile("vllm-cpu-tiny")
+    assert min(tiny.decode_a, tiny.decode_b, tiny.decode_c, tiny.decode_d) >= 0
