@@ -19,7 +19,8 @@ engine *when would this request's first token come out there, and what does it c
   first, this request's own prefill after its cached whole blocks (Preble's ``P``), slowed by
   the GPU time the engine's decode batch takes and stretched by the work that will arrive due
   sooner and overtake it (``1 / (1 - busy_i x sooner)``), plus any wait for SCORPIO's VBS
-  admission and the decode iteration that precedes a prefill slice; all on the engine's
+  admission or for KV memory the requests decoding there hold, and the decode iteration that
+  precedes a prefill slice; all on the engine's
   profile corrected by its fitted speed (:class:`kvgate.cost_model.SpeedFit`); on an engine
   that serves in arrival order (vLLM's own scheduler, as its heartbeat says) the whole queue
   runs first and nothing overtakes or is dropped. A prefix the

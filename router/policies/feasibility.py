@@ -21,7 +21,9 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
   prefills slowly: an engine with a short queue but a large decode batch is not a fast choice;
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
-  until a decoding request finishes and frees room;
+  until a decoding request finishes and frees room; and where the requests decoding there hold
+  so much KV memory that this one's context does not fit beside them, the time until enough
+  of them finish (:func:`kv_wait_ms`);
 * ``decode``: the decode iteration of the step in which its prefill starts (each step decodes
   first), ``D``;
 * ``stretch``: S-EDF lets a request that arrives later but is due sooner overtake, so the wait
@@ -440,6 +442,8 @@ def estimate(
     harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
     admit += step
+    # ... and waits for KV memory where the requests decoding there leave too little
+    admit += kv_wait_ms(ev, view, now, mine)
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
         floor_share, floor_admit = share, admit
     else:
@@ -467,6 +471,26 @@ def estimate(
         fits_alone,
         fill,
     )
+
+
+def kv_wait_ms(ev: EngineView, view: ClusterView, now: float, mine: float) -> float:
+    """How long a request of mean context ``mine`` tokens waits for KV memory on ``ev``: the
+    requests decoding there hold their contexts, and where they and this one pass the engine's
+    KV capacity, it starts only once enough of them have finished (their mean context each;
+    :meth:`ClusterView.decode_release_ms` of that many, beyond those decoding now a mean decode
+    time each). Cached prefixes nothing uses are
+    evicted for it and cost no wait. Without it, on engines whose memory binds before their
+    compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of KV an engine) the router
+    saw the fast engines of a mixed fleet free and sent them nearly every request, which
+    waited there for memory and were refused (tool_use 4 mixed x1: 40 of 616 requests on the
+    slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md)."""
+    n = ev.decoding
+    held = ev.decode_ctx_tokens
+    prof = ev.profile
+    short = held + mine - prof.kv_blocks * prof.block_tokens
+    if short <= 0.0 or n <= 0 or held <= 0.0:
+        return 0.0
+    return view.decode_release_ms(ev, now, math.ceil(short * n / held))
 
 
 def arrival_order_tpot_ms(ev: EngineView, mine: float, decay: float) -> float:

@@ -23,6 +23,7 @@ from router.policies.feasibility import (
     batch_capacity,
     decode_step_ms,
     estimate,
+    kv_wait_ms,
     next_decode_step_ms,
     prefill_share,
     queued_prefill_ms,
@@ -1184,3 +1185,24 @@ def test_top_matched_is_the_k_longest_then_by_id(matched: dict[str, int], k: int
     want = sorted(matched.items(), key=lambda em: (-em[1], em[0]))[:k]
     assert top_matched(matched, k) == want
     assert top_matched(dict(reversed(matched.items())), k) == want
+
+
+def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
+    """Where the requests decoding on an engine and this one pass its KV capacity, the request
+    waits until enough of them finish (the view's release time for that many), and e2 prices
+    it: a long prompt goes to the engine whose memory is free, not to the one whose compute
+    is (their decode batches equally full)."""
+    cap = PROFILE.kv_blocks * PROFILE.block_tokens
+    held = ev("a", inflight=4, open_ctx=cap - 20_000, decoding=4, decode_ctx=cap - 20_000)
+    free = ev("b", inflight=4, open_ctx=cap / 2, decoding=4, decode_ctx=cap / 2)
+    view = FakeView([held, free], releases={"a": 4000.0, "b": 4000.0})
+    assert kv_wait_ms(held, view, 0.0, 30_000) == 4000.0  # 10k tokens short: one must finish
+    assert kv_wait_ms(held, view, 0.0, 10_000) == 0.0
+    assert kv_wait_ms(free, view, 0.0, 30_000) == 0.0
+    assert kv_wait_ms(ev("idle"), view, 0.0, cap * 2) == 0.0  # (nothing to wait for)
+    c = ctx(key_len=4 * 30_000)
+    assert (
+        estimate(held, c, 0, view, 0.0, {}).ttft_ms
+        > estimate(free, c, 0, view, 0.0, {}).ttft_ms + 3000.0
+    )
+    assert make_policy("e2").choose(c, view, 0.0).engine_id == "b"
