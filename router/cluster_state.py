@@ -25,7 +25,7 @@ from kvgate.cost_model import (
 )
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
-from router.policies.base import LOAD_MODES, EngineView
+from router.policies.base import LOAD_MODES, EngineView, kv_blocks
 from router.policies.feasibility import RATE_TAU_S, next_decode_step_ms
 from router.slo_mix import SloMix
 from router.speculative import Speculative
@@ -310,8 +310,7 @@ class ClusterState:
     def capacity_bytes(eng: _Engine) -> int:
         """The engine's KV cache in key bytes: its heartbeat's blocks (else its profile's) of
         the key bytes its blocks hold (``_Engine.block_bytes``)."""
-        hb = eng.heartbeat
-        return int((hb.kv_blocks_total if hb else eng.profile.kv_blocks) * eng.block_bytes())
+        return int(kv_blocks(eng.profile, eng.heartbeat) * eng.block_bytes())
 
     def engine_view(self, eng: _Engine) -> EngineView:
         v = eng.view

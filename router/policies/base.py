@@ -154,11 +154,21 @@ class EngineView:
         ``free_bytes``): measured from its blocks, else its profile's guess."""
         return tokens * (self.key_bytes_per_token or self.profile.bytes_per_token)
 
+    def kv_tokens(self) -> int:
+        """Tokens its KV cache holds: the blocks its heartbeat counts (behind the vLLM bridge,
+        the engine's real block count), else its profile's (:func:`kv_blocks`)."""
+        return kv_blocks(self.profile, self.heartbeat) * self.profile.block_tokens
+
     def window_on_clock(self, clock_ms: float) -> float:
         """``window_ms`` with its output tokens priced at a TPOT of ``clock_ms`` instead of the
         engine's own measured one (engines compared on one clock: behind the vLLM bridge a
         measured TPOT counts the prefill chunks in the engine's steps)."""
         return self.window_ms + self.window_out_tokens * (clock_ms - self.tpot_ms)
+
+
+def kv_blocks(profile: CostProfile, heartbeat: LoadHeartbeat | None) -> int:
+    """An engine's KV blocks: its heartbeat's count, else its profile's guess."""
+    return heartbeat.kv_blocks_total if heartbeat is not None else profile.kv_blocks
 
 
 PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms

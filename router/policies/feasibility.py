@@ -478,16 +478,15 @@ def kv_wait_ms(ev: EngineView, view: ClusterView, now: float, mine: float) -> fl
     requests decoding there hold their contexts, and where they and this one pass the engine's
     KV capacity, it starts only once enough of them have finished (their mean context each;
     :meth:`ClusterView.decode_release_ms` of that many, beyond those decoding now a mean decode
-    time each). Cached prefixes nothing uses are
-    evicted for it and cost no wait. Without it, on engines whose memory binds before their
-    compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of KV an engine) the router
-    saw the fast engines of a mixed fleet free and sent them nearly every request, which
-    waited there for memory and were refused (tool_use 4 mixed x1: 40 of 616 requests on the
-    slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md)."""
+    time each); its capacity is the engine's own (:meth:`EngineView.kv_tokens`). Cached
+    prefixes nothing uses are evicted for it and cost no wait. Without it, on engines whose
+    memory binds before their compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of
+    KV an engine) the router saw the fast engines of a mixed fleet free and sent them nearly
+    every request, which waited there for memory and were refused (tool_use 4 mixed x1: 40 of
+    616 requests on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md)."""
     n = ev.decoding
     held = ev.decode_ctx_tokens
-    prof = ev.profile
-    short = held + mine - prof.kv_blocks * prof.block_tokens
+    short = held + mine - ev.kv_tokens()
     if short <= 0.0 or n <= 0 or held <= 0.0:
         return 0.0
     return view.decode_release_ms(ev, now, math.ceil(short * n / held))
