@@ -172,6 +172,16 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
         help="a fleet scaled out while traffic runs: the last N engines join T seconds into the "
         "run (the router learns of each from its first heartbeat), e.g. 8@30",
     )
+    g.add_argument(
+        "--outage",
+        type=parse_outage,
+        action="append",
+        default=None,
+        metavar="I@DOWN[:UP]",
+        help="engine I (0-based) goes down DOWN seconds into the run and comes back cold at UP "
+        "(its requests in flight fail, the gateway's breakers and retries route around it); "
+        "repeatable, e.g. 2@60:90",
+    )
     g.add_argument("--kv-link-gbps", type=float, default=100.0, help="KV link, Gb/s")
     g.add_argument("--kv-bytes-per-token", type=int, default=131_072, help="KV size per token")
 
@@ -201,6 +211,21 @@ def parse_join(spec: str) -> tuple[int, float]:
             f"--join {spec!r}: expected N@T, N >= 1 engines joining at T > 0 seconds"
         )
     return count, at
+
+
+def parse_outage(spec: str):  # -> bench.sim.world.Outage (import kept lazy)
+    """``3@60:90`` -> engine 3 down at 60 s, back (cold) at 90 s; ``3@60``: it stays down."""
+    from bench.sim.world import Outage
+
+    index, _, times = spec.strip().partition("@")
+    down, _, up = times.partition(":")
+    try:
+        return Outage(int(index), float(down), float(up) if up else None)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--outage {spec!r}: expected I@DOWN[:UP], engine index I down at DOWN seconds and "
+            f"back at UP > DOWN ({exc})"
+        ) from None
 
 
 def parse_speeds(spec: str) -> tuple[float, ...]:
@@ -427,6 +452,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
     return SimConfig(
         engines=engines,
         joins=joins,
+        outages=tuple(getattr(args, "outage", None) or ()),
         roles=roles,
         speeds=speeds,
         slow_announce=getattr(args, "announce", "same"),

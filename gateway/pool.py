@@ -8,6 +8,7 @@ Circuit breaker per engine::
 
     closed --(N consecutive failures)--> open --(cooldown elapsed)--> half_open
     half_open --(trial ok)--> closed;  half_open --(trial failed)--> open (cooldown x2, capped)
+    open --(health probe ok)--> half_open (the cooldown cut short: the engine answers again)
 
 Failures are passive (a proxied request could not connect or got a 5xx before its first byte) or
 active (``GET /health`` failed). A half-open engine takes one trial at a time: the next health
@@ -57,6 +58,13 @@ class Breaker:
         """A request (or probe) is being sent; in half-open it is the one trial."""
         if self.usable(now) and self.state == "half_open":
             self.trial_in_flight = True
+
+    def probe_passed(self) -> None:
+        """An open circuit's engine passed a health probe: half-open now, one trial allowed
+        (its cooldown kept: a failed trial doubles it as usual)."""
+        if self.state == "open":
+            self.state = "half_open"
+            self.trial_in_flight = False
 
     def success(self) -> bool:
         """Close the circuit; True when this readmitted an ejected engine."""
@@ -276,7 +284,13 @@ class EnginePool:
         self.changed()
         if ok:
             e.last_health_ok = now
-            if e.breaker.state != "open" and e.breaker.success():
+            if e.breaker.state == "open":
+                # the engine answers again: its cooldown is cut short and the next request (or
+                # probe) is the trial. Waiting it out kept an engine restarted after a long
+                # outage out for up to max_cooldown_s (doubled by every probe it failed)
+                e.breaker.probe_passed()
+                return None
+            if e.breaker.success():
                 return "readmitted"
             return None
         e.last_error = error

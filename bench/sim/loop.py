@@ -34,6 +34,8 @@ class Kind(IntEnum):
     SUBMIT = 4
     TICK = 5
     TRANSFER = 6  # a prompt's KV reaches its decode engine (prefill/decode disaggregation)
+    OUTAGE = 7  # an engine goes down (its process dies) or comes back cold (restarted)
+    PROBE = 8  # the gateway's health probes of every engine
 
 
 class SimulationError(RuntimeError):

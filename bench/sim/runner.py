@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.metrics import RequestRecord, summarize
 from bench.sim.policies import make_router
-from bench.sim.world import LinkConfig, World
+from bench.sim.world import LinkConfig, Outage, World
 from bench.workloads import Request, WorkloadOptions, build_workload, describe, scale_rate
 from broker.events import ROLES
 from engine.core import EngineCore, EngineRequest, SchedulerConfig
@@ -69,6 +69,8 @@ class SimConfig:
     # start (None: every engine from the start); a late engine is known to the router only
     # from its first heartbeat
     joins: tuple[float, ...] | None = None
+    # engines that go down and come back cold while traffic runs (bench.sim.world.Outage)
+    outages: tuple[Outage, ...] = ()
 
     def __post_init__(self) -> None:
         if self.roles is not None and (
@@ -91,6 +93,8 @@ class SimConfig:
             or min(self.joins) > 0
         ):
             raise ValueError("joins: one finite time >= 0 per engine, some engine at 0")
+        if any(o.engine >= self.engines for o in self.outages):
+            raise ValueError(f"outages: engine indexes run from 0 to {self.engines - 1}")
         if self.slow_announce not in ("same", "true"):
             raise ValueError("slow_announce must be 'same' or 'true'")
 
@@ -152,17 +156,21 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
     roles = cfg.roles or ("both",) * cfg.engines
     # an engine runs its true profile and names the nominal one (slow_announce "same"): routers
     # must find out how fast it really is
-    engines = [
-        EngineCore(
-            eid,
+    profiles = cfg.engine_profiles()
+
+    def make_engine(index: int) -> EngineCore:
+        """Engine ``index``'s process (a new one, cold, when it restarts after an outage)."""
+        prof = profiles[index]
+        return EngineCore(
+            ids[index],
             prof,
             policy=scheduler,
             config=sched_cfg,
-            role=role,
+            role=roles[index],
             announced=profile if cfg.slow_announce == "same" else prof,
         )
-        for eid, prof, role in zip(ids, cfg.engine_profiles(), roles, strict=True)
-    ]
+
+    engines = [make_engine(i) for i in range(cfg.engines)]
     cluster = cfg.cluster
     if cfg.roles is not None:
         cluster = replace(
@@ -181,6 +189,8 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
         predictions=predictions,
         kv_ms_per_token=cfg.kv_bytes_per_token * 8.0 / (cfg.kv_link_gbps * 1e6),
         join_at=cfg.joins,
+        outages=cfg.outages,
+        restart=make_engine,
     )
     if cfg.static_engines:
         for slot, eng in zip(world.slots, engines, strict=True):
@@ -227,7 +237,7 @@ def run_one(
     ids = [s.core.engine_id for s in world.slots]
     route_s = world.router.route_s if isinstance(world.router, _TimedRouter) else 0.0
     summary = summarize(world.records, engines=ids)
-    summary["busy_s"] = {slot.core.engine_id: round(slot.core.busy_s, 3) for slot in world.slots}
+    summary["busy_s"] = {slot.core.engine_id: round(slot.busy_s, 3) for slot in world.slots}
     if records is not None:
         records.extend(world.records)
     st = world.stats
@@ -251,6 +261,8 @@ def run_one(
             "stale_wakes": st.stale_wakes,
             "shed_by_router": st.shed,
             "disaggregated": st.extra.get("disaggregated", 0),
+            "outages": st.extra.get("outages", 0),
+            "retried": st.extra.get("retried", 0),
             "kv_transfer_ms_mean": round(sum(world.transfers_ms) / len(world.transfers_ms), 3)
             if world.transfers_ms
             else None,

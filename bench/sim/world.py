@@ -32,6 +32,15 @@ run (``router.core.Router`` and ``engine.core.EngineCore``) on the virtual clock
   the decode engine's prefix cache (``EngineCore.receive_kv``), then the decode request (its
   arrival the client's, so its TTFT deadline is the request's own). The client's first token
   is the decode engine's.
+* an engine may go down and come back (``outages``: a crash and a restart, as a fleet's
+  deploys, OOMs and lost nodes do): its requests in flight fail (502: their streams break), its
+  heartbeats and events stop, and what the router sends it meanwhile is refused when it gets
+  there; it comes back cold (an empty cache, a new epoch: the router's tree forgets what it held
+  from its first event). The gateway's part is the gateway's own code: its circuit breakers
+  (``gateway.pool.EnginePool``: an engine that fails ``failures`` times in a row is excluded
+  from routing until a cooldown's trial or a health probe, every ``health_interval_s``, finds
+  it back), and a refused request retried on another engine up to ``max_retries`` times;
+  without outages nothing of it changes a decision.
 
 So the world doubles as an integration harness of router and engine: every event they exchange
 crosses the same contract as in production, with the delays made explicit.
@@ -47,6 +56,8 @@ from bench.metrics import STATUS_OK, STATUS_SHED, RequestRecord
 from bench.sim.loop import EventLoop, Kind
 from bench.workloads import Request
 from broker.events import AllCleared, BlockRemoved, BlockStored, Envelope, Event, LoadHeartbeat
+from gateway.config import BreakerConfig, StaticEngine
+from gateway.pool import EnginePool
 from kvgate.cost_model import CostProfile
 from router.api import Decision, RouteRequest
 from router.pd import decode_id
@@ -119,6 +130,25 @@ class LinkConfig:
             raise ValueError("heartbeat_s must be positive")
 
 
+STATUS_UPSTREAM = 502  # the engine failed the request (it went down) or none could be reached
+
+
+@dataclass(frozen=True, slots=True)
+class Outage:
+    """Engine ``engine`` (its index) goes down at ``down_at`` and comes back cold at ``up_at``
+    (virtual s; None: it stays down)."""
+
+    engine: int
+    down_at: float
+    up_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine < 0 or not self.down_at >= 0:
+            raise ValueError("outage: an engine index and a down time >= 0")
+        if self.up_at is not None and not self.up_at > self.down_at:
+            raise ValueError("outage: the engine must come back after it went down")
+
+
 @dataclass(slots=True)
 class _EngineSlot:
     """The world's bookkeeping for one engine (the core itself is untouched)."""
@@ -137,6 +167,14 @@ class _EngineSlot:
     # bridged engine's heartbeat (vLLM's vllm:inter_token_latency_seconds)
     itl_ms: float = 0.0
     itl_count: int = 0
+    down: bool = False  # its process is gone (an outage)
+    restarts: int = 0
+    busy_before_s: float = 0.0  # the GPU time of its earlier processes
+
+    @property
+    def busy_s(self) -> float:
+        """Its GPU's busy time over the run, earlier processes included."""
+        return self.busy_before_s + self.core.busy_s
 
 
 @dataclass(slots=True)
@@ -151,6 +189,8 @@ class _Flight:
     key: bytes = b""
     prefill_cached: int = 0  # ... its prompt tokens the prefill engine had cached
     sent: float = 0.0  # when the gateway sent it to its engine
+    submitted: bool = False  # it reached that engine (else it is on the way)
+    tried: frozenset[str] = frozenset()  # engines that refused it (the gateway's retries)
 
 
 @dataclass(slots=True)
@@ -185,10 +225,17 @@ class World:
         predictions: bool = False,
         kv_ms_per_token: float = 0.0,
         join_at: Sequence[float] | None = None,
+        outages: Sequence[Outage] = (),
+        restart: Callable[[int], EngineLike] | None = None,
+        breaker: BreakerConfig | None = None,
+        max_retries: int = 2,
+        health_interval_s: float = 2.0,
     ) -> None:
         """``predictions``: record the router's predicted TTFT on the chosen engine (its
         decision's candidate: queueing + own prefill) in each request's record. ``join_at``:
-        each engine's join time (virtual s; None: every engine from the start)."""
+        each engine's join time (virtual s; None: every engine from the start). ``outages``:
+        engines that go down and come back as ``restart(index)`` makes them (a new process);
+        ``breaker``, ``max_retries`` and ``health_interval_s`` the gateway's settings."""
         self.router = router
         self.profile = profile
         self.link = link or LinkConfig()
@@ -204,6 +251,17 @@ class World:
             for i, e in enumerate(engines)
         ]
         self._by_id = {s.core.engine_id: s for s in self.slots}
+        self.outages = tuple(outages)
+        if any(o.engine >= len(self.slots) for o in self.outages):
+            raise ValueError("outage: no such engine")
+        if any(o.up_at is not None for o in self.outages) and restart is None:
+            raise ValueError("outages that end need a restart factory")
+        self._restart = restart
+        self.max_retries = max_retries
+        self.health_interval_s = health_interval_s
+        # the gateway's view of the engines: circuit breakers and in-flight counts
+        self.pool = EnginePool(breaker or BreakerConfig())
+        self.pool.add_static(StaticEngine(s.core.engine_id, s.url, models) for s in self.slots)
         self.records: list[RequestRecord] = []
         self.predictions = predictions
         self._flights: dict[str, _Flight] = {}
@@ -224,6 +282,8 @@ class World:
         loop.on(Kind.DELIVER, self._on_deliver)
         loop.on(Kind.HEARTBEAT, self._on_heartbeat)
         loop.on(Kind.TRANSFER, self._on_transfer)
+        loop.on(Kind.OUTAGE, self._on_outage)
+        loop.on(Kind.PROBE, self._on_probe)
 
     # ------------------------------------------------------------------ running
 
@@ -248,6 +308,12 @@ class World:
             # initial heartbeats make the engines known and alive before the first request
             self._send_heartbeat(slot, 0.0)
             self.loop.schedule(self.link.heartbeat_s, Kind.HEARTBEAT, slot.index)
+        for o in self.outages:
+            self.loop.schedule(o.down_at, Kind.OUTAGE, (o.engine, False))
+            if o.up_at is not None:
+                self.loop.schedule(o.up_at, Kind.OUTAGE, (o.engine, True))
+        if self.outages:
+            self.loop.schedule(self.health_interval_s, Kind.PROBE, None)
         until = None if drain_s is None else last + drain_s
         self.loop.run(until=until)
         # whatever is still open when the bound hits ends as a timeout, and so does a turn
@@ -314,7 +380,15 @@ class World:
             return
         rec = self._record(req)
         self.records.append(rec)
+        self._dispatch(req, rec, now, frozenset())
+
+    def _dispatch(
+        self, req: Request, rec: RequestRecord, now: float, tried: frozenset[str]
+    ) -> None:
+        """Route ``req`` (not to the engines the gateway's breakers exclude, nor to those that
+        refused it already) and send it on."""
         key = req.key()
+        blocked = self.pool.blocked(now)
         decision = self.router.route(
             RouteRequest(
                 request_id=req.request_id,
@@ -324,6 +398,7 @@ class World:
                 max_tokens=req.output_tokens,
                 slo=req.slo,
                 session=req.session,
+                exclude=blocked | tried if tried else blocked,
             ),
             now,
         )
@@ -355,7 +430,10 @@ class World:
                     rec.predicted_ttft_ms = cand.load_ms + cand.prefill_ms
         slot.routed += 1
         self.stats.routed += 1
-        flight = self._flights[req.request_id] = _Flight(req, rec, slot.index, sent=now)
+        self.pool.started(engine_id, now)
+        flight = self._flights[req.request_id] = _Flight(
+            req, rec, slot.index, sent=now, tried=tried
+        )
         ereq = self._make_engine_request(req, key, now + self.link.network_delay_s)
         dec = decision.decode_engine_id
         if decision.disaggregated and dec in self._by_id:
@@ -369,8 +447,38 @@ class World:
     def _on_submit(self, payload: tuple[int, Any], now: float) -> None:
         index, ereq = payload
         slot = self.slots[index]
+        flight = self._flights.get(ereq.request_id)
+        if slot.down:  # the connection is refused: the gateway tries another engine
+            if flight is not None:
+                self._refused(flight, slot, now)
+            return
+        if flight is not None:
+            flight.submitted = True
         slot.core.submit(ereq, now)
         self._after_engine_call(slot, now)
+
+    def _refused(self, flight: _Flight, slot: _EngineSlot, now: float) -> None:
+        """``flight`` could not reach its engine: a failure for the breaker and the router,
+        and a retry elsewhere while the gateway's attempts last."""
+        eid = slot.core.engine_id
+        rid = flight.req.request_id
+        del self._flights[rid]
+        self.pool.finished(eid, False, now, "connect")
+        self.router.report(rid, eid, "failed", now)
+        tried = flight.tried | {eid}
+        if len(tried) <= self.max_retries:
+            self.stats.extra["retried"] = self.stats.extra.get("retried", 0) + 1
+            flight.record.engine = None
+            self._dispatch(flight.req, flight.record, now, tried)
+            return
+        self._failed(flight, now, f"engine {eid} refused the connection (no attempt left)")
+
+    def _failed(self, flight: _Flight, now: float, error: str) -> None:
+        rec = flight.record
+        rec.status = STATUS_UPSTREAM
+        rec.error = error
+        rec.e2e_s = now - flight.req.arrival
+        self._ended_request(flight.req.request_id, now)
 
     def _on_wake(self, payload: tuple[int, int], now: float) -> None:
         index, version = payload
@@ -396,12 +504,15 @@ class World:
             rec.error = out.rejected
             rec.e2e_s = now - arrival
             del self._flights[out.request_id]
+            if out.request_id == flight.req.request_id:  # (the gateway sent this one)
+                self.pool.finished(slot.core.engine_id, True, now)
             self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
             self._ended_request(flight.req.request_id, now)
             return
         if flight.decode_engine is not None and out.request_id == flight.req.request_id:
             if out.usage is not None:  # the prefill phase ended: the KV moves
                 del self._flights[out.request_id]
+                self.pool.finished(slot.core.engine_id, True, now)
                 flight.prefill_cached = out.usage.cached_tokens
                 ms = self.kv_ms_per_token * out.usage.prompt_tokens
                 self.transfers_ms.append(ms)
@@ -430,6 +541,8 @@ class World:
                 slot.itl_ms += u.tpot_ms * (u.completion_tokens - 1)
                 slot.itl_count += u.completion_tokens - 1
             del self._flights[out.request_id]
+            if flight.decode_engine is None:
+                self.pool.finished(slot.core.engine_id, True, now)
             self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
             self._ended_request(flight.req.request_id, now)
 
@@ -438,6 +551,10 @@ class World:
         flight, ms = payload
         assert flight.decode_engine is not None
         slot = self.slots[flight.decode_engine]
+        if slot.down:
+            self.router.report(flight.req.request_id, slot.core.engine_id, "failed", now)
+            self._failed(flight, now, f"decode engine {slot.core.engine_id} is down")
+            return
         slot.core.receive_kv(flight.key, now)
         ereq = replace(
             flight.ereq,
@@ -446,8 +563,61 @@ class World:
             kv_transfer_tokens=flight.ereq.input_tokens,
         )
         self._flights[ereq.request_id] = flight
+        flight.submitted = True
         slot.core.submit(ereq, now)
         self._after_engine_call(slot, now)
+
+    def _on_outage(self, payload: tuple[int, bool], now: float) -> None:
+        index, back = payload
+        slot = self.slots[index]
+        if back:
+            self._come_back(slot, now)
+        else:
+            self._go_down(slot, now)
+
+    def _go_down(self, slot: _EngineSlot, now: float) -> None:
+        """The engine's process dies: what it was serving fails (the streams break), its
+        unsent events are lost, its wake-up and heartbeats stop."""
+        if slot.down:
+            return
+        slot.down = True
+        slot.busy_before_s += slot.core.busy_s
+        slot.wake_version += 1
+        slot.wake_at = None
+        slot.core.drain_events()
+        eid = slot.core.engine_id
+        self.stats.extra["outages"] = self.stats.extra.get("outages", 0) + 1
+        for rid, flight in list(self._flights.items()):
+            decode_phase = rid != flight.req.request_id
+            here = flight.decode_engine if decode_phase else flight.engine
+            if here != slot.index or not flight.submitted:
+                continue  # (one on its way finds the engine gone when it gets there)
+            del self._flights[rid]
+            if not decode_phase:
+                self.pool.finished(eid, False, now, "stream broken")
+            self.router.report(flight.req.request_id, eid, "failed", now)
+            self._failed(flight, now, f"engine {eid} went down")
+
+    def _come_back(self, slot: _EngineSlot, now: float) -> None:
+        """A new process on the same hardware: an empty cache and a new epoch, announced by
+        its first heartbeat."""
+        if not slot.down or self._restart is None:
+            return
+        slot.core = self._restart(slot.index)
+        slot.restarts += 1
+        slot.epoch = f"sim{self.link.seed}.{slot.restarts}"
+        slot.seq = 0
+        slot.itl_ms, slot.itl_count = 0.0, 0
+        slot.down = False
+        self._send_heartbeat(slot, now)
+
+    def _on_probe(self, _: None, now: float) -> None:
+        """The gateway's health probes: an engine that is down fails its probe, one that is
+        back passes it (and is readmitted)."""
+        for slot in self.slots:
+            self.pool.health_result(slot.core.engine_id, not slot.down, now)
+        if now < self._horizon or self._flights:
+            self.loop.schedule(now + self.health_interval_s, Kind.PROBE, None)
 
     def _after_engine_call(self, slot: _EngineSlot, now: float) -> None:
         """Ship the engine's new events and (re)arm its wake-up."""
@@ -521,7 +691,8 @@ class World:
 
     def _on_heartbeat(self, index: int, now: float) -> None:
         slot = self.slots[index]
-        self._send_heartbeat(slot, now)
+        if not slot.down:
+            self._send_heartbeat(slot, now)
         if now < self._horizon or self._flights:
             self.loop.schedule(now + self.link.heartbeat_s, Kind.HEARTBEAT, index)
 

@@ -92,6 +92,23 @@ def test_sim_scales_a_fleet_out_from_the_command_line(tmp_path: Path) -> None:
     assert per["e02"] + per["e03"] > 0.15 * sum(per.values())
 
 
+def test_sim_runs_engine_outages_from_the_command_line(tmp_path: Path) -> None:
+    """``--outage 1@5:15``: engine 1 of four is down from 5 s to 15 s into the run; its
+    requests in flight fail, the rest are served, and it serves again once back."""
+    out = tmp_path / "outage.json"
+    rc = main(["bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "30",
+               "--engines", "4", "--outage", "1@5:15", "--policies", "e2",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = orjson.loads(out.read_bytes())
+    assert doc["world"]["outages"] == [{"engine": 1, "down_at": 5.0, "up_at": 15.0}]
+    run = doc["runs"][0]
+    assert run["sim"]["outages"] == 1
+    status = run["summary"]["status"]
+    assert set(status) <= {"200", "502"} and status["200"] > 0.9 * run["summary"]["requests"]
+    assert run["summary"]["per_engine_requests"]["e01"] > 0
+
+
 def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     assert main(["bench", "report", "--inputs", str(tmp_path / "missing.json")]) == 2
     rc = main(["bench", "sim", "--trace", "nope", "--out", str(tmp_path / "x.json")])
@@ -104,6 +121,13 @@ def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "sim", "--trace", "tool_use", "--join", bad])
         assert exit_.value.code == 2 and "--join" in capsys.readouterr().err
+    for bad in ("1", "x@5", "1@5:4", "1@-1", "1@5:x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "sim", "--trace", "tool_use", "--outage", bad])
+        assert exit_.value.code == 2 and "--outage" in capsys.readouterr().err
+    rc = main(["bench", "sim", "--trace", "tool_use", "--engines", "2", "--outage", "2@5",
+               "--out", str(tmp_path / "x.json")])  # fmt: skip
+    assert rc == 2 and "engine indexes run from 0 to 1" in capsys.readouterr().err
     rc = main(["bench", "sim", "--trace", "tool_use", "--engines", "2", "--join", "2@5",
                "--out", str(tmp_path / "x.json")])  # fmt: skip
     assert rc == 2 and "must start" in capsys.readouterr().err

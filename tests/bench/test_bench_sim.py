@@ -8,7 +8,7 @@ import pytest
 
 from bench.sim.policies import ALIASES, make_router, parse_policy
 from bench.sim.runner import SimConfig, SweepSpec, build_world, engine_ids, run_one, sweep
-from bench.sim.world import LinkConfig
+from bench.sim.world import LinkConfig, Outage
 from bench.workloads import WorkloadOptions
 from bench.workloads.request import Request, Segment, Turn
 from broker.events import (
@@ -309,3 +309,69 @@ def test_joins_are_validated() -> None:
     for joins in ((0.0, 1.0, 2.0), (1.0, 1.0), (0.0, -1.0), (0.0, float("nan"))):
         with pytest.raises(ValueError, match="joins"):
             SimConfig(engines=2, joins=joins)
+
+
+def _outage_run(policy: str, outage: Outage, n: int = 240, engines: int = 4):
+    """Distinct 2,000-byte prompts every 0.1 s, 40 output tokens, on ``engines`` engines."""
+    cfg = SimConfig(engines=engines, outages=(outage,))
+    world = build_world(policy, "slo", cfg)
+    world.run([_req(f"r{i}", 0.1 * i, 2000, 40, seed=i) for i in range(n)])
+    return world
+
+
+def test_an_engine_that_goes_down_fails_what_it_serves_and_is_routed_around() -> None:
+    """Its requests in flight fail (502: their streams break); what is sent to it while it is
+    down is refused and retried elsewhere by the gateway, whose breaker then excludes it; its
+    heartbeats stop. Every other request is served."""
+    world = _outage_run("round_robin", Outage(1, 6.0))
+    failed = [r for r in world.records if r.status == 502]
+    assert failed and all(r.engine == "e01" and r.arrival < 6.0 for r in failed)
+    assert all("went down" in (r.error or "") for r in failed)
+    assert all(r.ok for r in world.records if r.status != 502)
+    # broken streams and a failed health probe opened its breaker: nothing is sent there
+    assert not any(r.engine == "e01" for r in world.records if r.arrival > 6.0)
+    assert world.pool.engines["e01"].breaker.state == "open"
+    assert world.slots[1].down and world.slots[1].core.busy_s > 0
+
+
+def test_requests_sent_to_a_down_engine_are_retried_elsewhere() -> None:
+    """Down with nothing in flight, an engine is found out by the requests sent to it: each is
+    refused and retried on another engine (none is lost) until the breaker opens."""
+    cfg = SimConfig(engines=4, outages=(Outage(1, 3.0),))
+    world = build_world("round_robin", "slo", cfg)
+    world.run([_req(f"r{i}", 1.0 * i, 400, 1, seed=i) for i in range(30)])
+    assert all(r.ok for r in world.records)
+    assert world.stats.extra["retried"] >= 1  # (with the health probes' failures, 3 open it)
+    assert not any(r.engine == "e01" for r in world.records if r.arrival > 3.0)
+
+
+def test_a_restarted_engine_comes_back_cold_and_takes_traffic_again() -> None:
+    """Back after a long outage (its breaker's cooldown doubled by every probe it failed), a
+    passed health probe readmits it within a probe interval and a trial (the gateway used to
+    wait out the cooldown: here 14 s more); it runs a new process (a new epoch, an empty cache)
+    and the router's tree forgot what the old one cached."""
+    world = _outage_run("round_robin", Outage(1, 2.0, 20.0), n=300)
+    slot = world.slots[1]
+    assert slot.restarts == 1 and not slot.down and slot.epoch != world.slots[0].epoch
+    back = sorted(r.arrival for r in world.records if r.engine == "e01" and r.arrival > 20.0)
+    assert back and back[0] < 20.0 + world.health_interval_s + 0.5
+    assert all(r.ok for r in world.records if r.arrival > 20.0)
+    # its GPU time counts both processes; the router follows its new epoch
+    assert slot.busy_s > slot.core.busy_s > 0
+    assert world.router.router.cluster.engines["e01"].epoch == slot.epoch
+
+
+def test_e2_routes_around_a_down_engine_without_losing_a_request_it_accepted() -> None:
+    world = _outage_run("e2", Outage(2, 5.0, 15.0))
+    assert all(r.ok for r in world.records if r.status != 502)
+    assert all(r.arrival < 5.0 and r.engine == "e02" for r in world.records if r.status == 502)
+    assert any(r.engine == "e02" for r in world.records if r.arrival > 15.0)
+
+
+def test_outages_are_validated() -> None:
+    with pytest.raises(ValueError, match="come back after"):
+        Outage(0, 5.0, 5.0)
+    with pytest.raises(ValueError, match="down time"):
+        Outage(-1, 5.0)
+    with pytest.raises(ValueError, match="outages"):
+        SimConfig(engines=2, outages=(Outage(2, 1.0),))

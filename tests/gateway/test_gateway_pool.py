@@ -56,10 +56,29 @@ def test_health_probes_eject_and_readmit() -> None:
     assert p.health_result("e1", False, 0.0) is None
     assert p.health_result("e1", False, 0.5) == "ejected"
     assert "e1" in p.blocked(0.5)
-    assert p.health_result("e1", True, 0.6) is None  # too early: stays open
-    assert "e1" in p.blocked(0.6)
     assert p.health_result("e1", True, 1.6) == "readmitted"  # after the cooldown
     assert p.engines["e1"].breaker.state == "closed"
+
+
+def test_a_passed_probe_cuts_an_open_circuits_cooldown_short() -> None:
+    """An engine back from a long outage (its cooldown doubled by each failed trial) is tried
+    again at its first passed probe, not when the cooldown ends: half-open, one trial, which
+    closes the circuit; a failed trial re-opens it with the cooldown doubled as before."""
+    p = pool(failures=1, cooldown_s=1.0, max_cooldown_s=30.0)
+    p.health_result("e1", False, 0.0)
+    for now in (1.0, 3.0, 7.0, 15.0):  # every trial fails: 2, 4, 8, 16 s
+        p.health_result("e1", False, now)
+    b = p.engines["e1"].breaker
+    assert b.state == "open" and b.cooldown_s == 16.0
+    assert p.health_result("e1", True, 16.0) is None  # passed: half-open, cooldown or not
+    assert b.state == "half_open" and "e1" not in p.blocked(16.0)
+    p.started("e1", 16.0)
+    assert "e1" in p.blocked(16.01)  # the trial is in flight
+    assert p.finished("e1", False, 16.1) is None  # it failed: open, cooldown doubled
+    assert b.state == "open" and b.cooldown_s == 30.0
+    p.health_result("e1", True, 18.0)
+    p.started("e1", 18.0)
+    assert p.finished("e1", True, 18.1) == "readmitted"
 
 
 def test_an_outage_is_one_ejection_and_one_readmission() -> None:
