@@ -107,6 +107,15 @@ def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake")
         "(default: traces scaled:5:100, synthetic keep their own)",
     )
     g.add_argument("--model", default="kvgate-sim", help="model name in requests")
+    g.add_argument(
+        "--stated-max-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every request states max_tokens N (or its answer's length, if longer), as clients "
+        "sending an SDK default or the model's limit do; the answers keep their lengths "
+        "(default 0: each states exactly its answer's length)",
+    )
 
 
 def _workload_options(args: argparse.Namespace, rate_scale: float = 1.0) -> WorkloadOptions:
@@ -123,6 +132,7 @@ def _workload_options(args: argparse.Namespace, rate_scale: float = 1.0) -> Work
         keep=args.keep,
         spread=args.spread,
         trace_block_tokens=args.trace_block_tokens,
+        stated_max_tokens=args.stated_max_tokens,
         trace_time_unit=args.trace_time_unit,
     )
 
@@ -326,6 +336,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="draw the synthetic workloads' requests with this seed (default 0; the traces "
         "are fixed): another draw of the same workloads, to check a result is not one draw's",
+    )
+    p.add_argument(
+        "--stated-max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every request states max_tokens N (or its answer's length, if longer): clients "
+        "that overstate their answers (default: exactly the answer's length)",
     )
     p.add_argument("--requests-per-engine", type=int, default=None)
     p.add_argument("--min-requests", type=int, default=None)
@@ -549,6 +567,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
         "scheduler",
         "reporting",
         "workload_seed",
+        "stated_max_tokens",
     ):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)

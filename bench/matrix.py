@@ -138,8 +138,13 @@ class MatrixSpec:
     # "bridge" (a plain vLLM behind the bridge: KV events and heartbeats only, the gateway
     # reporting each answer's first token; bench.sim.world.LinkConfig.request_events)
     reporting: str = "events"
+    # every request states this max_tokens (0: exactly its answer's length; see
+    # bench.workloads.transform.stating_max_tokens): clients that overstate their answers
+    stated_max_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.stated_max_tokens < 0:
+            raise ValueError("stated_max_tokens must be >= 0")
         if self.reporting not in REPORTING:
             raise ValueError(f"reporting {self.reporting!r}: one of {', '.join(REPORTING)}")
         for kind in self.kinds:
@@ -202,7 +207,9 @@ QUICK = MatrixSpec(
 
 
 @cache
-def base_workload(workload: str, seed: int, n: int, profile: str) -> tuple[Request, ...]:
+def base_workload(
+    workload: str, seed: int, n: int, profile: str, stated_max_tokens: int = 0
+) -> tuple[Request, ...]:
     """The first ``n`` requests of ``workload`` at its own rate, with the matrix's SLOs (cached
     per process: every cell of a combo compresses the same requests)."""
     slo = None if workload in OWN_SLOS else SCALED_SLO
@@ -215,6 +222,7 @@ def base_workload(workload: str, seed: int, n: int, profile: str) -> tuple[Reque
         max_requests=n,
         slo=slo,
         spread=1.0 if trace else 0.0,  # one-second trace timestamps: no artificial bursts
+        stated_max_tokens=stated_max_tokens,
     )
     reqs = build_workload(workload, opts, profile=load_profile(profile))
     if len(reqs) < n:
@@ -311,7 +319,7 @@ def run_cell_policy(
 ) -> dict:
     """One policy on one cell: the compact figures."""
     n = cell_requests(spec, workload, fleet, scale)
-    base = base_workload(workload, spec.workload_seed, n, spec.profile)
+    base = base_workload(workload, spec.workload_seed, n, spec.profile, spec.stated_max_tokens)
     reqs = scale_rate(base, scale)
     cfg = spec.sim_config(fleet, kind, seed)
     result = run_one(reqs, policy, spec.scheduler, cfg, rate_scale=scale)

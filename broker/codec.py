@@ -88,7 +88,10 @@ def _record(env: Envelope, blob: list[bytes]) -> list:
             rec += (ev.kv_transfer_ms, ev.kv_transfer_tokens)
         return rec
     if kind == "fi":
-        return [kind, env.ts, ev.request_id, ev.output_tokens, ev.ttft_ms, ev.tpot_ms]
+        rec = [kind, env.ts, ev.request_id, ev.output_tokens, ev.ttft_ms, ev.tpot_ms]
+        if ev.max_tokens is not None:
+            rec.append(ev.max_tokens)
+        return rec
     if kind == "rj":
         if not ev.cause and not ev.estimate_ms and not ev.estimate_tokens:
             return [kind, env.ts, ev.request_id, ev.reason]
@@ -263,7 +266,7 @@ def _decode_record(kind: object, rec: list, blob: bytes, offset: int):
         _arity(rec, 4, "ft", optional=5)
         return FirstToken(*rec[2:]), offset
     if kind == "fi":
-        _arity(rec, 6, "fi")
+        _arity(rec, 6, "fi", optional=1)
         return RequestFinished(*rec[2:]), offset
     if kind == "rj":
         _arity(rec, 4, "rj", optional=3)

@@ -200,19 +200,24 @@ class FirstToken:
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
-    """The request completed; ``tpot_ms`` is its mean time per output token after the first."""
+    """The request completed; ``tpot_ms`` is its mean time per output token after the first,
+    ``max_tokens`` the cap it was given (None: not reported), against which routers learn how
+    long answers are (:class:`kvgate.cost_model.OutputFit`)."""
 
     KIND: ClassVar[str] = "fi"
     request_id: str
     output_tokens: int
     ttft_ms: float
     tpot_ms: float
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_text("request_id", self.request_id)
         _check_count("output_tokens", self.output_tokens)
         _check_ms("ttft_ms", self.ttft_ms)
         _check_ms("tpot_ms", self.tpot_ms)
+        if self.max_tokens is not None:
+            _check_count("max_tokens", self.max_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,6 +171,7 @@ class EngineCore(SchedBook):
             cached_tokens=self._cached_tokens(req, matched),
             hit_ratio=(matched * p.block_bytes / len(req.key)) if req.key else 0.0,
         )
+        self.plan_output(st)
         need = len(hashes) + st.private_blocks
         refusal = None
         if need > p.kv_blocks:
@@ -195,7 +196,7 @@ class EngineCore(SchedBook):
                 key_bytes=len(req.key),
                 cached_bytes=matched * p.block_bytes,
                 input_tokens=req.input_tokens,
-                max_tokens=req.output_tokens,
+                max_tokens=req.stated_tokens,
                 ttft_slo_ms=slo.ttft_ms,
                 tpot_slo_ms=slo.tpot_ms,
             )
@@ -533,8 +534,15 @@ class EngineCore(SchedBook):
         self._states.pop(st.request_id, None)
         self._release(st, t)
         usage = self._usage(st)
+        self.answer_ended(st)
         self._events.append(
-            RequestFinished(st.request_id, st.generated, usage.ttft_ms, usage.tpot_ms)
+            RequestFinished(
+                st.request_id,
+                st.generated,
+                usage.ttft_ms,
+                usage.tpot_ms,
+                max_tokens=st.req.stated_tokens,  # (its answer ended by itself: routers learn)
+            )
         )
         self.finished += 1
         return usage

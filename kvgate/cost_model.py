@@ -484,6 +484,57 @@ class SpeedFit:
         return log + rate * (sample - log), evidence
 
 
+class OutputFit:
+    """How long answers are against the ``max_tokens`` their requests state. Clients state a
+    cap (an SDK default, the model's limit) and the answer ends at its EOS, often far below
+    it; every estimate that takes the cap at its word (a request's decode time, its share of
+    a decode batch, the KV it will hold) overstates it, and a router steering by them sends
+    cached prompts away from their holders to spread decode work that never comes. Learned
+    from finished requests, per power-of-two bucket of the stated cap (one client's cap and
+    the answers under it go together; a trace replay that states each answer's length keeps a
+    fraction of 1): the fraction of its cap an answer took, averaged as :class:`SpeedFit`
+    averages (a running mean while young, then exponentially weighted with ``alpha``),
+    starting from one pseudo-answer that took its whole cap."""
+
+    __slots__ = ("_buckets", "alpha")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._buckets: dict[int, list[float]] = {}  # bucket -> [fraction, evidence]
+
+    @staticmethod
+    def _bucket(stated: int) -> int:
+        return max(stated, 1).bit_length()
+
+    def fraction(self, stated: int) -> float:
+        """The fraction of a ``stated`` cap an answer is expected to take (1 before any)."""
+        b = self._buckets.get(self._bucket(stated))
+        return b[0] if b is not None else 1.0
+
+    def expected(self, stated: int) -> int:
+        """The output tokens to plan for a request stating ``stated`` (at least 1)."""
+        if stated <= 1:
+            return max(stated, 1)
+        b = self._buckets.get(self._bucket(stated))
+        if b is None or b[0] >= 1.0:
+            return stated
+        return max(1, min(stated, round(stated * b[0])))
+
+    def observe(self, stated: int, output: int) -> None:
+        """A request that stated ``stated`` ended after ``output`` tokens."""
+        if stated < 1 or output < 1:
+            return  # (nothing to learn: a rejected or unknown request)
+        sample = min(output / stated, 1.0)
+        key = self._bucket(stated)
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = [1.0, 0.0]
+        b[1] += 1.0
+        b[0] += max(1.0 / b[1], self.alpha) * (sample - b[0])
+
+
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # Mistral-7B fp16: 32 layers x 2 (K, V) x 1024 x 2 bytes
 DEFAULT_KV_LINK_GBPS = 100.0  # one 100 Gb/s NIC between a prefill and a decode engine
 

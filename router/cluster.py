@@ -151,6 +151,8 @@ class Cluster(ClusterState):
                 self._record_ttft(rec.group, ev.ttft_ms, now)
             if ev.output_tokens > 1:
                 self._record_tpot(eng, ev.tpot_ms)
+            if ev.max_tokens is not None:  # (the answer against the cap it was given)
+                self.output_fit.observe(ev.max_tokens, ev.output_tokens)
             self.release(ev.request_id, "event", now)
         elif isinstance(ev, RequestRejected):
             eng.reports_requests = True

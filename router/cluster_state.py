@@ -19,6 +19,7 @@ from kvgate.cost_model import (
     DEFAULT_PROFILE,
     CostProfile,
     KvLink,
+    OutputFit,
     ProfileError,
     default_profile,
     load_profile,
@@ -62,6 +63,9 @@ class ClusterConfig:
     # its profile, and the routing benchmark's hit rate fell from 0.849 to 0.808; it does
     # find slow engines in the simulator: docs/router.md)
     fit_gateway_ttft: bool = False
+    # plan each request's answer at what answers under its stated max_tokens have taken
+    # (kvgate.cost_model.OutputFit, learned from finished requests); off: at the stated cap
+    fit_output: bool = True
     # prefill/decode disaggregation: the fleet's KV size per token and the link between a
     # prefill and a decode engine (kvgate.cost_model.KvLink; fitted online with fit_speed)
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
@@ -157,6 +161,7 @@ class ClusterState:
         self._by_window = self._by_load if load_mode == "window" else _LoadOrder()
         self._load_dirty: dict[str, _Engine] = {}
         self.routed_total = 0  # requests ever routed (E2's rebalancing warm-up)
+        self.output_fit = OutputFit()  # answers' lengths against their stated caps
         self._overrides: dict[int, tuple[str, float]] = {}
         self._replicas: dict[int, tuple[frozenset[str], float]] = {}
         self.events: dict[str, int] = {}

@@ -2,8 +2,10 @@
 
 ``route(request, now)`` matches the key against the cache map, asks the configured policy, and
 records the decision at once (in-flight work, windowed load, a speculative cache entry) so the
-next request already sees it; ``apply(envelope, now)`` folds broker events in. No I/O, no clock,
-no global state: time is passed in, randomness comes from the injected rng.
+next request already sees it; ``apply(envelope, now)`` folds broker events in. A request's
+``max_tokens`` is a cap: the policy and the records see the answer's length the router expects
+under it (:class:`kvgate.cost_model.OutputFit`, learned from finished requests). No I/O, no
+clock, no global state: time is passed in, randomness comes from the injected rng.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class Router:
         that prefill, and a prefill-only choice gets a decode engine too."""
         cl = self.cluster
         cl.expire(now)
+        if cl.config.fit_output:
+            planned = cl.output_fit.expected(req.max_tokens)
+            if planned != req.max_tokens:
+                req = dataclasses.replace(req, max_tokens=planned)
         if req.prefilled_on is not None:
             return self._route_decode(req, now)
         group = cl.group_of(req.key)

@@ -82,6 +82,7 @@ events = st.one_of(
     st.builds(RequestStarted, ID),
     first_token,
     st.builds(RequestFinished, ID, COUNT, MS, MS),
+    st.builds(RequestFinished, ID, COUNT, MS, MS, COUNT),  # with the cap it was given
     st.builds(RequestRejected, ID, ID),
     st.builds(RequestRejected, ID, ID, st.sampled_from(REJECT_CAUSES), MS, COUNT),  # for routers
     st.builds(RequestPreempted, ID),
@@ -170,6 +171,16 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     newer = orjson.dumps(["e1", "ep", 0, [[*ordered, "extra"]]])
     with pytest.raises(CodecError, match="11 to 18 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
+    # a finished request's cap (what routers learn answers' lengths against) came later too
+    old_fi = orjson.dumps(["e1", "ep", 0, [["fi", 1.0, "r1", 120, 50.0, 20.0]]])
+    (env,) = decode_batch({b"v": b"1", b"h": old_fi, b"b": b""})
+    assert env.event == RequestFinished("r1", 120, 50.0, 20.0) and env.event.max_tokens is None
+    capped = orjson.dumps(["e1", "ep", 0, [["fi", 1.0, "r1", 120, 50.0, 20.0, 4096]]])
+    (env,) = decode_batch({b"v": b"1", b"h": capped, b"b": b""})
+    assert env.event.max_tokens == 4096
+    bad_fi = orjson.dumps(["e1", "ep", 0, [["fi", 1.0, "r1", 120, 50.0, 20.0, -1]]])
+    with pytest.raises(ValueError, match="max_tokens"):
+        decode_batch({b"v": b"1", b"h": bad_fi, b"b": b""})
     # a refusal's cause and the engine's own estimate came later too
     old_rj = orjson.dumps(["e1", "ep", 0, [["rj", 1.0, "r1", "too slow"]]])
     (env,) = decode_batch({b"v": b"1", b"h": old_rj, b"b": b""})

@@ -198,6 +198,32 @@ def test_speed_fit_converges_follows_drift_and_ignores_nonsense() -> None:
     assert weak.prefill_evidence == 0.5 and weak.prefill == pytest.approx(3.0)
 
 
+def test_output_fit_plans_on_the_cap_until_answers_under_it_have_ended() -> None:
+    from kvgate.cost_model import OutputFit
+
+    fit = OutputFit(alpha=0.05)
+    assert fit.expected(4096) == 4096 and fit.fraction(4096) == 1.0  # nothing known yet
+    fit.observe(4096, 200)
+    assert fit.expected(4096) == 200  # the first answer under that cap, at once
+    for out in (100, 300) * 10:
+        fit.observe(4096, out)
+    assert fit.expected(4096) == pytest.approx(200, abs=3)
+    assert fit.expected(5000) == round(5000 * fit.fraction(4096))  # same power-of-two bucket
+    assert fit.expected(300) == 300  # another client's cap: its own bucket, still the cap
+    for _ in range(50):  # a trace replay states each answer's length: planned at exactly that
+        fit.observe(300, 300)
+    assert fit.expected(300) == 300 and fit.fraction(300) == 1.0
+    for _ in range(200):  # answers got longer: followed within ~1/alpha of them
+        fit.observe(4096, 2048)
+    assert fit.expected(4096) == pytest.approx(2048, rel=0.01)
+    before = fit.fraction(4096)
+    for bad in ((0, 10), (10, 0), (-5, 3)):
+        fit.observe(*bad)
+    assert fit.fraction(4096) == before
+    fit.observe(100, 5000)  # more than its cap (a miscounted report): at most the cap
+    assert fit.expected(100) == 100 and fit.expected(1) == 1 and fit.expected(0) == 1
+
+
 def test_slowed_profiles_by_name() -> None:
     base = load_profile("mistral-7b-a6000")
     slow = load_profile("mistral-7b-a6000@x2")

@@ -123,6 +123,7 @@ def _engine_request(req: Request, key: bytes, arrival: float) -> EngineRequest:
         slo=req.slo,
         arrival=arrival,
         answer_key=req.answer_key(),
+        max_tokens=req.max_tokens,
     )
 
 

@@ -395,7 +395,7 @@ class World:
                 model=req.model,
                 key=key,
                 input_tokens=req.input_tokens,
-                max_tokens=req.output_tokens,
+                max_tokens=req.stated_tokens,
                 slo=req.slo,
                 session=req.session,
                 exclude=blocked | tried if tried else blocked,

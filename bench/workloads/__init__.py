@@ -33,6 +33,7 @@ from bench.workloads.transform import (
     parse_slo_spec,
     scale_rate,
     spread_ties,
+    stating_max_tokens,
     thin,
     window,
 )
@@ -80,6 +81,9 @@ class WorkloadOptions:
     # a trace file's hash block in tokens and its timestamps' unit (None / "auto": inferred)
     trace_block_tokens: int | None = None
     trace_time_unit: str = "auto"
+    # every request states this max_tokens (or its answer's length, if longer; 0: exactly its
+    # answer's length): clients that overstate it (transform.stating_max_tokens)
+    stated_max_tokens: int = 0
 
 
 SYNTHETIC_DURATION_S = 600.0
@@ -197,4 +201,5 @@ def build_workload(
     reqs = limit(reqs, opts.max_requests)
     spec = opts.slo or DEFAULT_SLO.get(kind, "keep")
     profile = profile or default_profile()
-    return at_bytes_per_token(assign_slo(reqs, spec, profile), profile.bytes_per_token)
+    reqs = at_bytes_per_token(assign_slo(reqs, spec, profile), profile.bytes_per_token)
+    return stating_max_tokens(reqs, opts.stated_max_tokens)

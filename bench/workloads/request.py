@@ -110,6 +110,11 @@ class Request:
     # simulated model answers it, and the engine caches it as vLLM and SGLang cache output)
     after: str | None = None
     reply: Segment | None = None
+    # the cap the client states (its max_tokens; None: exactly ``output_tokens``, as a trace
+    # replay with ignore_eos states it). Clients usually state far more than the answer takes
+    # (an SDK default, the model's limit): routers and schedulers see only this cap, and the
+    # answer still ends at ``output_tokens``
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -118,6 +123,8 @@ class Request:
             raise ValueError(f"{self.request_id}: arrival must be finite and >= 0")
         if self.input_tokens < 1 or self.output_tokens < 1:
             raise ValueError(f"{self.request_id}: token counts must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < self.output_tokens:
+            raise ValueError(f"{self.request_id}: max_tokens below the answer's output_tokens")
         if not self.turns:
             raise ValueError(f"{self.request_id}: a request needs a prompt")
         if self.endpoint == "completions" and len(self.turns) != 1:
@@ -197,6 +204,11 @@ class Request:
         if self.session is not None:
             out["x-kvgate-session"] = self.session
         return out
+
+    @property
+    def stated_tokens(self) -> int:
+        """The answer's length as the client states it (max_tokens)."""
+        return self.max_tokens or self.output_tokens
 
     def with_(self, **changes: object) -> Request:
         """A copy with some fields changed (``dataclasses.replace``)."""

@@ -104,6 +104,17 @@ def at_bytes_per_token(requests: Sequence[Request], bytes_per_token: float) -> l
     ]
 
 
+def stating_max_tokens(requests: Sequence[Request], cap: int) -> list[Request]:
+    """Every request states ``max_tokens`` = ``cap`` (or its own answer's length, where that is
+    longer), as clients that send an SDK default or the model's limit do; the answers keep their
+    lengths. 0: each states exactly its answer's length (the traces' replay)."""
+    if cap < 0:
+        raise ValueError("the stated max_tokens must be >= 0")
+    if not cap:
+        return list(requests)
+    return [r.with_(max_tokens=max(cap, r.output_tokens)) for r in requests]
+
+
 def merge(*workloads: Iterable[Request]) -> list[Request]:
     """Several workloads interleaved by arrival (stable: ties keep argument order)."""
     return list(heapq.merge(*workloads, key=lambda r: r.arrival))

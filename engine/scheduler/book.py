@@ -22,7 +22,7 @@ from broker.events import LoadHeartbeat
 from engine.costs import cached_predictor, prefill_batch_ms
 from engine.scheduler.base import Policy
 from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig
-from kvgate.cost_model import CostProfile
+from kvgate.cost_model import CostProfile, OutputFit
 
 
 class SchedBook:
@@ -46,6 +46,18 @@ class SchedBook:
         # decode steps since the last heartbeat: [count, ms, batch, mean context] (what routers
         # fit the engine's real decode speed from: broker.events.LoadHeartbeat)
         self._decode_stats = [0, 0.0, 0.0, 0.0]
+        # how long answers are against their stated caps (max_tokens): what VBS admission
+        # plans a new request's context on (a cap taken at its word made admission refuse
+        # decode places to answers that end far below it)
+        self.output_fit = OutputFit()
+
+    def plan_output(self, st: ReqState) -> None:
+        """Set the answer's length ``st`` is planned on (before it joins any ledger)."""
+        st.planned_out = self.output_fit.expected(st.req.stated_tokens)
+
+    def answer_ended(self, st: ReqState) -> None:
+        """``st``'s answer ended by itself (EOS or its cap; not cut short by the client)."""
+        self.output_fit.observe(st.req.stated_tokens, st.generated)
 
     # ------------------------------------------------------------------ what policies read
 

@@ -67,6 +67,15 @@ class EngineRequest:
     # output as that turn resends it); b"": unknown, and bytes of its own stand for it. Cached
     # when it finishes, as real engines cache a finished request's output tokens
     answer_key: bytes = b""
+    # the cap the client stated (its max_tokens; None: ``output_tokens``): all a real
+    # scheduler knows of the answer's length before it ends. ``output_tokens`` is where the
+    # simulated model ends it (its EOS), which the scheduler does not plan on
+    max_tokens: int | None = None
+
+    @property
+    def stated_tokens(self) -> int:
+        """The answer's length as the client stated it (its cap)."""
+        return self.max_tokens or self.output_tokens
 
 
 @dataclass(slots=True, eq=False)
@@ -86,6 +95,9 @@ class ReqState:
     first_token_at: float | None = None
     last_token_at: float | None = None
     credit: float = 0.0  # SCORPIO's decode credit
+    # the answer's length the scheduler plans on (set at submit from the stated cap and what
+    # answers under such caps took: SchedBook.plan_output; 0: the stated cap)
+    planned_out: int = 0
     blocked_by: str = ""  # why it last waited although it was the best candidate (vbs, kv)
 
     @property
@@ -113,8 +125,9 @@ class ReqState:
 
     @property
     def mean_context(self) -> float:
-        """Its context averaged over its decode life (SCORPIO's L for admission)."""
-        return self.req.input_tokens + self.req.output_tokens / 2.0
+        """Its context averaged over its decode life (SCORPIO's L for admission), on the
+        answer's planned length (the scheduler does not know where it will end)."""
+        return self.req.input_tokens + (self.planned_out or self.req.stated_tokens) / 2.0
 
     def move(self, to: Phase) -> None:
         if (self.phase, to) not in TRANSITIONS:

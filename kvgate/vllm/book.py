@@ -295,6 +295,7 @@ class VllmBook(SchedBook):
             cached_tokens=min(max(a.cached_tokens, 0), a.prompt_tokens - 1),
             hit_ratio=0.0,
         )
+        self.plan_output(st)
         refusal = self.policy.check_submit(self, st, now)
         if refusal is not None:
             if self.reject_mode:
@@ -367,7 +368,12 @@ class VllmBook(SchedBook):
         n = max(ex.outputs, 1)
         tpot = (last - st.first_token_at) * 1000.0 / (n - 1) if n > 1 else 0.0
         ttft = max((st.first_token_at - st.req.arrival) * 1000.0, 0.0)
-        self._events.append(RequestFinished(ex.event_id, n, ttft, max(tpot, 0.0)))
+        # the cap it was given, unless the client cut the answer short (routers learn from it
+        # how long answers are against their caps)
+        cap = None if cancelled else st.req.output_tokens
+        if not cancelled:
+            self.answer_ended(st)
+        self._events.append(RequestFinished(ex.event_id, n, ttft, max(tpot, 0.0), cap))
 
     def _drop(self, st: ReqState) -> None:
         """Take ``st`` out of every queue and the ledger."""

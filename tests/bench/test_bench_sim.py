@@ -375,3 +375,15 @@ def test_outages_are_validated() -> None:
         Outage(-1, 5.0)
     with pytest.raises(ValueError, match="outages"):
         SimConfig(engines=2, outages=(Outage(2, 1.0),))
+
+
+def test_the_router_and_the_engines_learn_how_long_answers_under_a_cap_are() -> None:
+    """Requests stating max_tokens 4096 whose answers end after 40 tokens: the router (from the
+    engines' RequestFinished events) and every engine that finished one plan that cap at
+    about 40 tokens by the end of the run; every answer keeps its length."""
+    world = build_world("e2", "slo", SimConfig(engines=2))
+    reqs = [_req(f"r{i}", 0.2 * i, 2000, 40, seed=i).with_(max_tokens=4096) for i in range(50)]
+    world.run(reqs)
+    assert all(r.ok and r.completion_tokens == 40 for r in world.records)
+    assert world.router.router.cluster.output_fit.expected(4096) == 40
+    assert all(s.core.output_fit.expected(4096) == 40 for s in world.slots)

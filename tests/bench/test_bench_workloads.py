@@ -413,3 +413,20 @@ def test_workloads_are_written_in_the_profiles_bytes_per_token() -> None:
         before = by_id[r.after or ""]
         assert r.key().startswith(before.key() + before.answer_key())
         assert len(before.answer_key()) == 2 * before.output_tokens + 1
+
+
+def test_clients_that_overstate_max_tokens_keep_their_answers_lengths() -> None:
+    """``--stated-max-tokens 1024``: every request states 1024 (or its answer's length, when
+    that is longer) and its answer still ends where it did; 0 leaves the workload as it was."""
+    opts = WorkloadOptions(seed=3, duration=30.0)
+    plain = build_workload("tool_use", opts)
+    stated = build_workload(
+        "tool_use", WorkloadOptions(seed=3, duration=30.0, stated_max_tokens=1024)
+    )
+    assert [r.output_tokens for r in stated] == [r.output_tokens for r in plain]
+    assert all(r.stated_tokens == max(1024, r.output_tokens) for r in stated)
+    assert all(r.max_tokens is None and r.stated_tokens == r.output_tokens for r in plain)
+    with pytest.raises(ValueError, match="below the answer"):
+        plain[0].with_(max_tokens=plain[0].output_tokens - 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        build_workload("tool_use", WorkloadOptions(duration=5.0, stated_max_tokens=-1))

@@ -212,3 +212,38 @@ def test_output_filler_is_fixed_by_the_request_and_unique_to_it() -> None:
     assert len(a) == 200 and a == output_filler("r1", 200)
     assert a[:64] != output_filler("r2", 200)[:64]
     assert output_filler("r1", 0) == b""
+
+
+def test_the_scheduler_plans_answers_at_what_answers_under_their_cap_took() -> None:
+    """Clients state max_tokens 4096 and the answers end after 20 tokens: the first request is
+    planned at its cap (SCORPIO's mean context: prompt + 2048), the ones submitted after
+    answers under that cap ended at about 20; every natural end reports the cap it was given
+    (routers learn from it too), a client's cancel reports none and teaches nothing."""
+    from dataclasses import replace
+
+    c = core()
+    first = replace(req("a0", 100, out=20), max_tokens=4096)
+    c.submit(first, 0.0)
+    assert c._states["a0"].mean_context == 100 + 4096 / 2
+    run_until(c, 1e9)
+    assert c.next_event_time() is None  # (idle: the next submits start its clock anew)
+    for i in range(1, 4):
+        c.submit(replace(req(f"a{i}", 100, out=20, at=100.0), max_tokens=4096), 100.0)
+    assert c._states["a3"].mean_context == 100 + 20 / 2
+    run_until(c, 1e9)
+    events = c.drain_events()
+    finished = [e for e in events if isinstance(e, RequestFinished)]
+    assert finished and all((e.output_tokens, e.max_tokens) == (20, 4096) for e in finished)
+    enqueued = [e for e in events if isinstance(e, RequestEnqueued)]
+    assert all(e.max_tokens == 4096 for e in enqueued)  # the cap, as the engine was told
+    before = c.output_fit.fraction(4096)
+    c.submit(replace(req("gone", 100, out=3000, at=200.0), max_tokens=4096), 200.0)
+    outs = run_until(c, 200.5)
+    assert any(o.request_id == "gone" for o in outs)  # it is decoding
+    c.cancel("gone", 200.5)
+    (cut,) = [e for e in c.drain_events() if isinstance(e, RequestFinished)]
+    assert cut.request_id == "gone" and cut.max_tokens is None
+    assert c.output_fit.fraction(4096) == before
+    plain = core()  # no cap stated: the answer's own length, as before
+    plain.submit(req("p", 100, out=20), 0.0)
+    assert plain._states["p"].mean_context == 100 + 10

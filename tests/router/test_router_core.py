@@ -1501,3 +1501,30 @@ def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -
     f.send("e1", RequestFinished("x", 10, 100.0, 40.0), 1.0)  # e1 reports its requests
     f.heartbeat("e1", 1.2, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
     assert cl.engines["e1"].tpot_ms == pytest.approx(40.0)
+
+
+def test_answers_are_planned_at_what_answers_under_their_cap_took() -> None:
+    """Clients state max_tokens 4096 and the answers end near 200 tokens: once the engines'
+    RequestFinished events say so (each with the cap it was given), the router plans a new
+    request of that cap at about 200 (its in-flight record, its decode context), whichever
+    engine told it; a request stating 64 is planned at 64 (no answer under such a cap has
+    ended); with ``fit_output`` off every answer is planned at its cap."""
+    for fit in (True, False):
+        f = Fleet(n=2, fit_output=fit)
+        cl = f.router.cluster
+        for i in range(6):
+            d = f.route(f"a{i}", b"question %d " % i * 100, 1.0 + i, max_tokens=4096)
+            if i == 0:
+                assert cl._inflight["a0"].out_tokens == 4096  # nothing ended yet: the cap
+            f.send(d.engine_id, RequestFinished(f"a{i}", 150 + 20 * i, 50.0, 20.0, 4096), 1.5 + i)
+        f.route("b", b"another question " * 100, 10.0, max_tokens=4096)
+        f.route("c", b"a short one " * 100, 10.0, max_tokens=64)
+        want = 200 if fit else 4096
+        assert cl._inflight["b"].out_tokens == want
+        assert cl._inflight["b"].ctx_tokens == pytest.approx(
+            cl.engines[cl._inflight["b"].engine_id].profile.prompt_tokens(
+                len(b"another question " * 100) // 4, len(b"another question " * 100)
+            )
+            + want / 2
+        )
+        assert cl._inflight["c"].out_tokens == 64

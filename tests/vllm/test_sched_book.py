@@ -385,7 +385,17 @@ def test_events_name_requests_by_the_gateway_id_and_carry_slos_and_load() -> Non
     assert ft.prefill_ms == 200.0 and ft.prefill_tokens == 200
     assert isinstance(fin, RequestFinished)
     assert (fin.output_tokens, fin.tpot_ms) == (3, pytest.approx(50.0))
+    assert fin.max_tokens == 3  # the cap vLLM was given: routers learn answers against it
     assert b.running == 0 and not b.waiting and "vllm-1" not in b
+    # a later request under a 4096 cap, cut short by its client: reported without a cap, and
+    # the book's plan for such caps learns nothing from it
+    b.arrive(Arrival("vllm-2", 200, 4096, now + 1, RELAXED, event_id="gw-2"), now + 1)
+    b.plan(now + 1, cap)
+    b.after_schedule(StepResult({"vllm-2": 200}, {"vllm-2": 200}, started=["vllm-2"]), now + 1)
+    b.on_output("vllm-2", 1, now + 1.2)
+    b.finish("vllm-2", now + 1.3, cancelled=True)
+    (cut,) = events_of(b, RequestFinished)
+    assert cut.max_tokens is None and b.output_fit.fraction(4096) == 1.0
 
 
 def test_steps_are_timed_against_the_profiles_plan_for_them() -> None:
