@@ -76,6 +76,17 @@ READY_POLL_S = 0.02  # how often a gateway that is not ready yet checks again
 STOP_TIMEOUT_S = 5.0
 
 
+def _completion_tokens(body: bytes) -> int:
+    """An OpenAI answer's ``usage.completion_tokens`` (0: none, or not an answer)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 0
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if type(n) is int and n > 0 else 0
+
+
 class _Access:
     """What the access log says of one request, filled in as the request goes (attribute
     sets only: the line is built once, at the end, and only when the log is on)."""
@@ -87,7 +98,9 @@ class _Access:
         "engine",
         "error",
         "matched_bytes",
+        "max_tokens",
         "model",
+        "overhead_events",
         "policy",
         "prefill_s",
         "reason",
@@ -116,6 +129,10 @@ class _Access:
         self.decode_engine: str | None = None  # disaggregated: the decode engine (last tried)
         self.prefill_s: float | None = None  # ... the prefill phase (its engine's answer)
         self.decode_wait_s: float | None = None  # ... the decode request to its first byte
+        # the cap told to the router (its max_tokens, stated or the default), and the SSE data
+        # events of a streamed answer that carry no token (a chat's role chunk, a usage chunk)
+        self.max_tokens = 0
+        self.overhead_events = 0
 
     def fields(self, path: str, status: int, duration_s: float) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -382,31 +399,45 @@ class Gateway:
             batch = [await reports.get()]
             while not reports.empty():
                 batch.append(reports.get_nowait())
-            for rid, engine_id, outcome, ttft_ms in batch:
+            for rid, engine_id, outcome, ttft_ms, answer in batch:
                 try:
                     if self._needs_timeout:
                         async with asyncio.timeout(self.config.route_timeout_s):
-                            await self._send_report(rid, engine_id, outcome, ttft_ms)
+                            await self._send_report(rid, engine_id, outcome, ttft_ms, answer)
                     else:
-                        await self._send_report(rid, engine_id, outcome, ttft_ms)
+                        await self._send_report(rid, engine_id, outcome, ttft_ms, answer)
                 except Exception as exc:
                     self.log_once.warning("router-report", "router report failed: %r", exc)
 
     async def _send_report(
-        self, rid: str, engine_id: str, outcome: Outcome | None, ttft_ms: float
+        self,
+        rid: str,
+        engine_id: str,
+        outcome: Outcome | None,
+        ttft_ms: float,
+        answer: tuple[int, int],
     ) -> None:
         if outcome is None:
             await self.routing.first_token(rid, engine_id, ttft_ms)
+        elif answer[0]:
+            await self.routing.report(rid, engine_id, outcome, *answer)
         else:
             await self.routing.report(rid, engine_id, outcome)
 
     def _report(
-        self, rid: str, engine_id: str, outcome: Outcome | None, ttft_ms: float = 0.0
+        self,
+        rid: str,
+        engine_id: str,
+        outcome: Outcome | None,
+        ttft_ms: float = 0.0,
+        answer: tuple[int, int] = (0, 0),
     ) -> None:
         """Queue an outcome for the router, or (``outcome`` None) the TTFT of a streamed
-        answer; reporting never delays the response."""
+        answer; ``answer``: its length in tokens and the cap told to the router (0: unknown),
+        from which a router learns how long answers are for engines that do not say.
+        Reporting never delays the response."""
         try:
-            self.reports.put_nowait((rid, engine_id, outcome, ttft_ms))
+            self.reports.put_nowait((rid, engine_id, outcome, ttft_ms, answer))
         except asyncio.QueueFull:
             self.log_once.warning("report-queue", "router report queue full: dropping outcomes")
 
@@ -609,6 +640,8 @@ class Gateway:
             1, math.ceil(len(parsed.key) / cfg.bytes_per_token)
         )
         max_tokens = parsed.max_tokens or parsed.hint.output_tokens or cfg.default_max_tokens
+        access.max_tokens = max_tokens
+        access.overhead_events = (route.endpoint == "chat") + parsed.include_usage
         rid_b = rid.encode("utf-8", "surrogateescape")
         headers = self._forward_headers(request, rid_b)
         fbody = body
@@ -955,7 +988,8 @@ class Gateway:
         self._engine_transition(
             engine_id, self.pool.finished(engine_id, ok, time.monotonic(), error), error
         )
-        self._report(rid, engine_id, "ok" if ok else "failed")
+        answer = (_completion_tokens(data), access.max_tokens) if status == 200 else (0, 0)
+        self._report(rid, engine_id, "ok" if ok else "failed", answer=answer)
         m = self.metrics
         m.child(m.e2e, route.path, "false").observe(time.perf_counter() - start)
         return Response(status, data, raw_headers=out_headers)
@@ -984,10 +1018,12 @@ class Gateway:
         self.open_streams += 1  # exported on scrape (a Gauge takes a lock per update)
         outcome: Outcome = "ok"
         first = True
+        events = 0  # SSE data events relayed, [DONE] included: about one a token on vLLM
         ttft = self.metrics.child(self.metrics.ttft, route.path)
 
         def forward(piece: bytes, last: bool) -> bool:
-            nonlocal first
+            nonlocal first, events
+            events += piece.count(b"data:")
             if first and piece:
                 first = False
                 now = time.perf_counter()
@@ -1035,7 +1071,13 @@ class Gateway:
                 self._engine_transition(engine_id, self.pool.finished(engine_id, True, now), "")
             elif outcome == "cancelled":
                 self.pool.released(engine_id)
-            if outcome != "failed":
+            if outcome == "ok":
+                # an answer's tokens, as its events count them (each of vLLM's decode steps
+                # sends one; less [DONE], a chat's role chunk and a usage chunk)
+                tokens = events - 1 - access.overhead_events
+                answer = (tokens, access.max_tokens) if tokens > 0 else (0, 0)
+                self._report(rid, engine_id, outcome, answer=answer)
+            elif outcome != "failed":
                 self._report(rid, engine_id, outcome)
             m = self.metrics
             m.child(m.e2e, route.path, "true").observe(time.perf_counter() - start)

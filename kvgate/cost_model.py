@@ -493,8 +493,9 @@ class OutputFit:
     from finished requests, per power-of-two bucket of the stated cap (one client's cap and
     the answers under it go together; a trace replay that states each answer's length keeps a
     fraction of 1): the fraction of its cap an answer took, averaged as :class:`SpeedFit`
-    averages (a running mean while young, then exponentially weighted with ``alpha``),
-    starting from one pseudo-answer that took its whole cap."""
+    averages (a running mean while young, then exponentially weighted with ``alpha``); the cap
+    itself until an answer under it has ended. (With a prior of one answer at the whole cap,
+    the slow start cost zipf_doc_qa 4 homo x1 3 points at a 4,096 cap: docs/BENCHMARKS.md.)"""
 
     __slots__ = ("_buckets", "alpha")
 

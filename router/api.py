@@ -232,9 +232,17 @@ class RoutingService(Protocol):
         """Pick an engine (or shed) for ``request``, recording it as in flight there."""
         ...
 
-    async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
+    async def report(
+        self,
+        request_id: str,
+        engine_id: str,
+        outcome: Outcome,
+        output_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
         """Tell the router how a routed request ended from the gateway's side (a failed
-        engine frees its in-flight work at once instead of waiting for a timeout)."""
+        engine frees its in-flight work at once instead of waiting for a timeout), and, when
+        known (0: not), its answer's length and the cap its request stated."""
         ...
 
     async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:

@@ -12,6 +12,7 @@ from router.wire import (
     decision_from_json,
     engine_from_json,
     first_token_to_json,
+    report_to_json,
     request_to_json,
 )
 
@@ -77,8 +78,15 @@ class RemoteRouter:
         except WireError as exc:
             raise RouterUnavailable(f"router sent a malformed decision: {exc}") from exc
 
-    async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
-        body = {"request_id": request_id, "engine_id": engine_id, "outcome": outcome}
+    async def report(
+        self,
+        request_id: str,
+        engine_id: str,
+        outcome: Outcome,
+        output_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
+        body = report_to_json(request_id, engine_id, outcome, output_tokens, max_tokens)
         await self._call("POST", "/report", body, self.report_timeout)
 
     async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:

@@ -172,6 +172,19 @@ class Cluster(ClusterState):
         if rec.engine_id == eng.engine_id:
             self._start_decoding(eng, request_id, rec)
 
+    def gateway_answer(self, engine_id: str, max_tokens: int, output_tokens: int) -> bool:
+        """The gateway relayed an answer of ``output_tokens`` from ``engine_id`` to a request
+        that stated ``max_tokens``: how long answers are against their caps
+        (:class:`kvgate.cost_model.OutputFit`), for an engine that sends no RequestFinished of
+        its own (a plain vLLM behind the bridge), whose answers the router would otherwise plan
+        at their caps. An engine's own events say it exactly, so for one that sends them this is
+        ignored. False when nothing was learned."""
+        eng = self.engines.get(engine_id)
+        if eng is None or eng.reports_requests or not (max_tokens >= 1 and output_tokens >= 1):
+            return False
+        self.output_fit.observe(max_tokens, output_tokens)
+        return True
+
     def gateway_first_token(
         self, request_id: str, engine_id: str, ttft_ms: float, now: float
     ) -> bool:

@@ -209,9 +209,22 @@ class Router:
         snapshot next)."""
         self.cluster.reset_engine(engine_id, now)
 
-    def report(self, request_id: str, engine_id: str, outcome: Outcome, now: float) -> bool:
+    def report(
+        self,
+        request_id: str,
+        engine_id: str,
+        outcome: Outcome,
+        now: float,
+        output_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> bool:
         """The gateway's word on a routed request: whatever the outcome, it is no longer in
-        flight. False when the router had no record of it (already released)."""
+        flight. With ``output_tokens`` and ``max_tokens`` (0: unknown) the answer's length
+        against the cap its request stated, learned for an engine that sends no finished-request
+        events of its own (:meth:`router.cluster.Cluster.gateway_answer`). False when the router
+        had no record of it (already released)."""
+        if outcome == "ok" and output_tokens > 0 and max_tokens > 0:
+            self.cluster.gateway_answer(engine_id, max_tokens, output_tokens)
         decode = self.cluster.release(decode_id(request_id), "report", now)
         return self.cluster.release(request_id, "report", now) or decode
 

@@ -118,8 +118,15 @@ class EmbeddedRouter:
     async def route(self, request: RouteRequest) -> Decision:
         return self.router.route(request, self.clock())
 
-    async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
-        self.router.report(request_id, engine_id, outcome, self.clock())
+    async def report(
+        self,
+        request_id: str,
+        engine_id: str,
+        outcome: Outcome,
+        output_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
+        self.router.report(request_id, engine_id, outcome, self.clock(), output_tokens, max_tokens)
 
     async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:
         self.router.first_token(request_id, engine_id, ttft_ms, self.clock())
@@ -313,8 +320,11 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
         got = await _parsed(request, report_from_json)
         if isinstance(got, web.Response):
             return got
-        rid, engine_id, outcome = got
-        return _json({"released": router.report(rid, engine_id, outcome, service.clock())})
+        rid, engine_id, outcome, output_tokens, max_tokens = got
+        released = router.report(
+            rid, engine_id, outcome, service.clock(), output_tokens, max_tokens
+        )
+        return _json({"released": released})
 
     async def first_token(request: web.Request) -> web.Response:
         got = await _parsed(request, first_token_from_json)

@@ -167,13 +167,40 @@ def decision_from_json(body: Any) -> Decision:
         raise WireError(f"malformed decision: {exc}", "candidates") from None
 
 
-def report_from_json(body: Any) -> tuple[str, str, Outcome]:
+def report_to_json(
+    request_id: str, engine_id: str, outcome: Outcome, output_tokens: int = 0, max_tokens: int = 0
+) -> dict:
+    body: dict = {"request_id": request_id, "engine_id": engine_id, "outcome": outcome}
+    if output_tokens and max_tokens:
+        body["output_tokens"] = output_tokens
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def report_from_json(body: Any) -> tuple[str, str, Outcome, int, int]:
+    """``POST /report``: the request, its engine, how it ended and (optional, 0: unknown) its
+    answer's length and the cap its request stated."""
     if not isinstance(body, dict):
         raise WireError("body must be a JSON object", "body")
     outcome = body.get("outcome")
     if outcome not in OUTCOMES:
         raise WireError(f"outcome must be one of {', '.join(sorted(OUTCOMES))}", "outcome")
-    return _str(body, "request_id") or "", _str(body, "engine_id") or "", cast(Outcome, outcome)
+    counts = []
+    for name in ("output_tokens", "max_tokens"):
+        v = body.get(name, 0)
+        if type(v) is not int or not 0 <= v <= MAX_REPORTED_TOKENS:
+            raise WireError(f"{name} must be an integer from 0 to {MAX_REPORTED_TOKENS}", name)
+        counts.append(v)
+    return (
+        _str(body, "request_id") or "",
+        _str(body, "engine_id") or "",
+        cast(Outcome, outcome),
+        counts[0],
+        counts[1],
+    )
+
+
+MAX_REPORTED_TOKENS = 100_000_000  # more is a wrong field, not a long answer
 
 
 MAX_TTFT_MS = 86_400_000.0  # a day: a larger TTFT is a wrong unit, not a slow engine

@@ -74,7 +74,15 @@ class RouterLike(Protocol):
 
     def route(self, req: RouteRequest, now: float) -> Decision: ...
     def apply(self, env: Envelope, now: float) -> None: ...
-    def report(self, request_id: str, engine_id: str, outcome: str, now: float) -> None: ...
+    def report(
+        self,
+        request_id: str,
+        engine_id: str,
+        outcome: str,
+        now: float,
+        output_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> object: ...
     def first_token(self, request_id: str, engine_id: str, ttft_ms: float, now: float) -> bool: ...
 
 
@@ -543,7 +551,15 @@ class World:
             del self._flights[out.request_id]
             if flight.decode_engine is None:
                 self.pool.finished(slot.core.engine_id, True, now)
-            self.router.report(flight.req.request_id, slot.core.engine_id, "ok", now)
+            # (with the answer's length against its cap, as the gateway reads it off the answer)
+            self.router.report(
+                flight.req.request_id,
+                slot.core.engine_id,
+                "ok",
+                now,
+                u.completion_tokens,
+                flight.req.stated_tokens,
+            )
             self._ended_request(flight.req.request_id, now)
 
     def _on_transfer(self, payload: tuple[_Flight, float], now: float) -> None:

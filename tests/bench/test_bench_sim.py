@@ -387,3 +387,7 @@ def test_the_router_and_the_engines_learn_how_long_answers_under_a_cap_are() -> 
     assert all(r.ok and r.completion_tokens == 40 for r in world.records)
     assert world.router.router.cluster.output_fit.expected(4096) == 40
     assert all(s.core.output_fit.expected(4096) == 40 for s in world.slots)
+    # behind the bridge (no request events) the router learns it from the gateway's reports
+    bridged = build_world("e2", "fcfs", SimConfig(engines=2, link=LinkConfig(request_events=False)))
+    bridged.run(reqs)
+    assert bridged.router.router.cluster.output_fit.expected(4096) == 40

@@ -144,6 +144,7 @@ class ListRouting:
         self.shed_all = False
         self.forget_engines = False  # act like a router whose broker lost every engine
         self.reports: list[tuple[str, str, Outcome]] = []
+        self.answers: list[tuple[str, int, int]] = []  # (request id, output tokens, stated cap)
         self.first_tokens: list[tuple[str, str, float]] = []
         self.routed: list[RouteRequest] = []
         self._n = 0
@@ -166,9 +167,17 @@ class ListRouting:
         f = cands[self._n % len(cands)]
         return Decision(f.name, f.url, "round_robin", "list", matched_bytes=len(request.key))
 
-    async def report(self, request_id: str, engine_id: str, outcome: Outcome) -> None:
+    async def report(
+        self,
+        request_id: str,
+        engine_id: str,
+        outcome: Outcome,
+        output_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
         self._check()
         self.reports.append((request_id, engine_id, outcome))
+        self.answers.append((request_id, output_tokens, max_tokens))
 
     async def first_token(self, request_id: str, engine_id: str, ttft_ms: float) -> None:
         self._check()

@@ -352,3 +352,31 @@ async def test_a_broker_blip_shorter_than_the_grace_keeps_the_router() -> None:
         await wait_until(lambda: st.gateway.degraded, 3.0)
         health["ok"] = True
         await wait_until(lambda: not st.gateway.degraded, 3.0)
+
+
+async def test_answers_lengths_reach_the_router_with_the_cap_it_was_told() -> None:
+    """The router learns how long answers are against their stated caps from the gateway when
+    the engine does not say (a plain vLLM): an answer's ``usage.completion_tokens``, or a
+    stream's data events (one a token, less [DONE]), beside the max_tokens the router was told
+    (the request's, else the default). A failed answer reports no length."""
+    async with gateway_stack(1) as st, aiohttp.ClientSession() as s:
+        chunks = st.engines[0].chunks
+        base = {"model": MODEL, "prompt": "p"}
+        assert (await post(s, st.url + "/v1/completions", {**base, "max_tokens": 64}))[0] == 200
+        async with s.post(
+            st.url + "/v1/completions", json={**base, "max_tokens": 128, "stream": True}
+        ) as r:
+            assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        assert (await post(s, st.url + "/v1/chat/completions", chat))[0] == 200
+        await wait_until(lambda: len(st.routing.answers) == 3)
+        default = GatewayConfig().default_max_tokens
+        assert [a[1:] for a in st.routing.answers] == [
+            (chunks, 64),
+            (chunks, 128),
+            (chunks, default),
+        ]
+        st.engines[0].fail_status = 500
+        await post(s, st.url + "/v1/completions", {**base, "max_tokens": 64})
+        await wait_until(lambda: len(st.routing.answers) >= 4)
+        assert st.routing.answers[3][1:] == (0, 0)

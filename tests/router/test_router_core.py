@@ -1528,3 +1528,20 @@ def test_answers_are_planned_at_what_answers_under_their_cap_took() -> None:
             + want / 2
         )
         assert cl._inflight["c"].out_tokens == 64
+
+
+def test_the_gateways_word_on_answers_lengths_counts_only_for_engines_that_do_not_say() -> None:
+    """Behind the bridge a plain vLLM sends no RequestFinished: the gateway's report of an
+    answer's length against the cap the router was told is then all there is, and is learned.
+    An engine that sends its own events is learned from those alone (no answer twice)."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    f.route("a", b"question " * 100, 1.0, max_tokens=4096)
+    engine = cl._inflight["a"].engine_id
+    assert f.router.report("a", engine, "ok", 2.0, 300, 4096)
+    assert cl.output_fit.expected(4096) == 300
+    f.send("e1", RequestStarted("other"), 2.0)  # e1 sends request events: it says for itself
+    assert not cl.gateway_answer("e1", 4096, 10)
+    f.router.report("x", "e0", "failed", 2.0, 10, 4096)  # a failed answer teaches nothing
+    assert cl.output_fit.expected(4096) == 300
+    assert not cl.gateway_answer("nobody", 4096, 10) and not cl.gateway_answer("e0", 0, 10)

@@ -185,6 +185,18 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
                     assert (await resp.json())["error"]["param"] == field
             async with http.post(f"{base}/report", data=b'{"outcome": "maybe"}') as resp:
                 assert resp.status == 400
+            ok = b'"request_id": "x", "engine_id": "eng0", "outcome": "ok"'
+            for extra, field in (
+                (b', "output_tokens": -1, "max_tokens": 9', "output_tokens"),
+                (b', "output_tokens": 5, "max_tokens": "9"', "max_tokens"),
+                (b', "output_tokens": 5.5, "max_tokens": 9', "output_tokens"),
+            ):
+                async with http.post(f"{base}/report", data=b"{" + ok + extra + b"}") as resp:
+                    assert resp.status == 400, extra
+                    assert (await resp.json())["error"]["param"] == field
+            body = b"{" + ok + b', "output_tokens": 5, "max_tokens": 9}'
+            async with http.post(f"{base}/report", data=body) as resp:
+                assert resp.status == 200  # (an answer's length beside its cap: accepted)
             for body, field in (
                 (b"[1]", "body"),
                 (b'{"request_id": "x", "engine_id": "eng0"}', "ttft_ms"),
