@@ -1023,8 +1023,11 @@ class Gateway:
 
         def forward(piece: bytes, last: bool) -> bool:
             nonlocal first, events
-            events += piece.count(b"data:")
+            # an event's field starts a line, and a JSON string holds no raw newline: an
+            # answer whose text says "data:" is not counted
+            events += piece.count(b"\ndata:")
             if first and piece:
+                events += piece.startswith(b"data:")
                 first = False
                 now = time.perf_counter()
                 access.ttft_s = now - start
