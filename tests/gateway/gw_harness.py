@@ -28,6 +28,7 @@ class FakeEngine:
     models: tuple[str, ...] = (MODEL,)
     fail_status: int | None = None  # answer every completion with this status
     chunks: int = 3
+    token: str = "x"  # each streamed chunk's text
     chunk_gap_s: float = 0.0
     hold: asyncio.Event | None = None  # a stream waits here after its first chunk
     first_chunk_delay_s: float = 0.0  # the time to its first token (or its whole JSON answer)
@@ -97,8 +98,9 @@ class FakeEngine:
         await resp.prepare(request)
         try:
             for i in range(self.chunks):
+                tok = self.token
                 delta = (
-                    {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                    {"index": 0, "delta": {"content": tok}} if chat else {"index": 0, "text": tok}
                 )
                 delta["finish_reason"] = "stop" if i == self.chunks - 1 else None
                 chunk = {

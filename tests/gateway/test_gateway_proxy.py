@@ -380,3 +380,12 @@ async def test_answers_lengths_reach_the_router_with_the_cap_it_was_told() -> No
         await post(s, st.url + "/v1/completions", {**base, "max_tokens": 64})
         await wait_until(lambda: len(st.routing.answers) >= 4)
         assert st.routing.answers[3][1:] == (0, 0)
+        # tokens whose text says "data:" (and a newline) are still one event each
+        st.engines[0].fail_status = None
+        st.engines[0].token = "\ndata: x\n\ndata: y"
+        async with s.post(
+            st.url + "/v1/completions", json={**base, "max_tokens": 128, "stream": True}
+        ) as r:
+            assert r.status == 200 and b"data: x" in await r.read()
+        await wait_until(lambda: len(st.routing.answers) >= 5)
+        assert st.routing.answers[4][1:] == (chunks, 128)
