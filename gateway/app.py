@@ -419,10 +419,8 @@ class Gateway:
     ) -> None:
         if outcome is None:
             await self.routing.first_token(rid, engine_id, ttft_ms)
-        elif answer[0]:
-            await self.routing.report(rid, engine_id, outcome, *answer)
         else:
-            await self.routing.report(rid, engine_id, outcome)
+            await self.routing.report(rid, engine_id, outcome, *answer)
 
     def _report(
         self,

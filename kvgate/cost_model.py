@@ -515,13 +515,9 @@ class OutputFit:
         return b[0] if b is not None else 1.0
 
     def expected(self, stated: int) -> int:
-        """The output tokens to plan for a request stating ``stated`` (at least 1)."""
-        if stated <= 1:
-            return max(stated, 1)
-        b = self._buckets.get(self._bucket(stated))
-        if b is None or b[0] >= 1.0:
-            return stated
-        return max(1, min(stated, round(stated * b[0])))
+        """The output tokens to plan for a request stating ``stated`` (at least 1; the cap
+        itself while the fraction is 1, exactly: a fraction never passes 1)."""
+        return max(1, round(stated * self.fraction(stated)))
 
     def observe(self, stated: int, output: int) -> None:
         """A request that stated ``stated`` ended after ``output`` tokens."""

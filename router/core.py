@@ -223,7 +223,7 @@ class Router:
         against the cap its request stated, learned for an engine that sends no finished-request
         events of its own (:meth:`router.cluster.Cluster.gateway_answer`). False when the router
         had no record of it (already released)."""
-        if outcome == "ok" and output_tokens > 0 and max_tokens > 0:
+        if outcome == "ok":
             self.cluster.gateway_answer(engine_id, max_tokens, output_tokens)
         decode = self.cluster.release(decode_id(request_id), "report", now)
         return self.cluster.release(request_id, "report", now) or decode
