@@ -294,12 +294,31 @@ class Cluster(ClusterState):
     def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         eng.decoding[request_id] = rec
         eng.decode_ctx += rec.ctx_tokens
+        shared = float(rec.cached_tokens)
+        eng.decode_held += rec.ctx_tokens - shared
+        prefix = eng.decode_prefixes.get(rec.group)
+        if prefix is None:
+            eng.decode_prefixes[rec.group] = [1.0, shared]
+            eng.decode_held += shared
+        else:
+            prefix[0] += 1.0
+            if shared > prefix[1]:
+                eng.decode_held += shared - prefix[1]
+                prefix[1] = shared
         _count(eng.decode_tpots, rec.tpot_slo_ms, 1)
 
     def _stop_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         if eng.decoding.pop(request_id, None) is None:
             return
         eng.decode_ctx = eng.decode_ctx - rec.ctx_tokens if eng.decoding else 0.0
+        eng.decode_held -= rec.ctx_tokens - rec.cached_tokens
+        prefix = eng.decode_prefixes[rec.group]
+        prefix[0] -= 1.0
+        if prefix[0] <= 0.0:
+            del eng.decode_prefixes[rec.group]
+            eng.decode_held -= prefix[1]
+        if not eng.decoding:  # (no drift from float sums)
+            eng.decode_held = 0.0
         _count(eng.decode_tpots, rec.tpot_slo_ms, -1)
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
@@ -433,6 +452,7 @@ class Cluster(ClusterState):
             tpot_slo_ms=req.slo.tpot_ms,
             idle_prefill_ms=p.prefill_ms(missed, cached) if idle else 0.0,
             matched_bytes=mine,
+            cached_tokens=cached,
         )
         own_s = p.prefill_ms(missed, cached) * eng.speed.prefill / 1e3
         # an engine that sends no request events (a plain vLLM behind the bridge) never says

@@ -358,6 +358,7 @@ class ClusterState:
                 decode_scale=eng.speed.decode,
                 decoding=len(eng.decoding),
                 decode_ctx_tokens=max(eng.decode_ctx, 0.0),
+                decode_held_tokens=max(eng.decode_held, 0.0),
                 decode_tpot_min_ms=min(eng.decode_tpots) if eng.decode_tpots else math.inf,
                 open_tpot_min_ms=min(eng.open_tpots) if eng.open_tpots else math.inf,
                 open_inv_tpot=sum(n / t for t, n in eng.open_tpots.items() if t > 0),

@@ -37,6 +37,9 @@ class _Inflight:
     # key bytes counted as cached there when it was routed (the router's entries included):
     # it prefills the rest of its key, unless another request computes it first
     matched_bytes: int = 0
+    # its prompt's tokens in those whole blocks: while it decodes, KV memory it shares with the
+    # requests of its prefix group decoding there (the engine pins a cached block once)
+    cached_tokens: int = 0
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class _Inflight:
         engine_tokens: int = 0,
         idle_prefill_ms: float = 0.0,
         matched_bytes: int = 0,
+        cached_tokens: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.t = t
@@ -73,6 +77,7 @@ class _Inflight:
         self.engine_tokens = engine_tokens
         self.idle_prefill_ms = idle_prefill_ms
         self.matched_bytes = matched_bytes
+        self.cached_tokens = cached_tokens
 
 
 class _GroupWork:
@@ -158,6 +163,11 @@ class _Engine:
     # step runs, so what prefill's share of the GPU is (router.policies.feasibility)
     decoding: dict[str, _Inflight] = field(default_factory=dict)
     decode_ctx: float = 0.0  # their summed context
+    # the KV memory they hold, in tokens: each one's context past its cached prefix, plus once
+    # per prefix group the longest cached prefix of its requests decoding there (kept until
+    # the group's last one ends); group -> [requests, that prefix]
+    decode_held: float = 0.0
+    decode_prefixes: dict[int, list[float]] = field(default_factory=dict)
     decode_tpots: dict[float, int] = field(default_factory=dict)  # their TPOT SLOs, counted
     # the TPOT SLOs of all its in-flight requests, counted: their virtual batch (SCORPIO's VBS,
     # router.policies.base.virtual_batch) is what the decode step will run

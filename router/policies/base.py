@@ -59,6 +59,8 @@ class EngineView:
     decode_scale: float = 1.0
     decoding: int = 0  # the router's requests there past their first token
     decode_ctx_tokens: float = 0.0  # their summed context (input + output / 2 tokens each)
+    # ... and the KV memory they hold, in tokens: a cached prefix they share counted once
+    decode_held_tokens: float = 0.0
     decode_tpot_min_ms: float = math.inf  # their tightest TPOT SLO (the engine's step budget)
     # the in-flight requests' tightest TPOT SLO and sum of 1 / TPOT SLO (ms): their virtual
     # batch (virtual_batch); a sum of 0 with requests in flight: unknown, each counts one
@@ -103,6 +105,7 @@ class EngineView:
         decode_scale: float = 1.0,
         decoding: int = 0,
         decode_ctx_tokens: float = 0.0,
+        decode_held_tokens: float = 0.0,
         decode_tpot_min_ms: float = math.inf,
         open_tpot_min_ms: float = math.inf,
         open_inv_tpot: float = 0.0,
@@ -137,6 +140,7 @@ class EngineView:
         self.decode_scale = decode_scale
         self.decoding = decoding
         self.decode_ctx_tokens = decode_ctx_tokens
+        self.decode_held_tokens = decode_held_tokens
         self.decode_tpot_min_ms = decode_tpot_min_ms
         self.open_tpot_min_ms = open_tpot_min_ms
         self.open_inv_tpot = open_inv_tpot

@@ -443,7 +443,7 @@ def estimate(
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
     admit += step
     # ... and waits for KV memory where the requests decoding there leave too little
-    admit += kv_wait_ms(ev, view, now, mine)
+    admit += kv_wait_ms(ev, view, now, mine, prof.cached_tokens_for_bytes(matched))
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
         floor_share, floor_admit = share, admit
     else:
@@ -473,20 +473,27 @@ def estimate(
     )
 
 
-def kv_wait_ms(ev: EngineView, view: ClusterView, now: float, mine: float) -> float:
-    """How long a request of mean context ``mine`` tokens waits for KV memory on ``ev``: the
-    requests decoding there hold their contexts, and where they and this one pass the engine's
-    KV capacity, it starts only once enough of them have finished (their mean context each;
-    :meth:`ClusterView.decode_release_ms` of that many, beyond those decoding now a mean decode
-    time each); its capacity is the engine's own (:meth:`EngineView.kv_tokens`). Cached
-    prefixes nothing uses are evicted for it and cost no wait. Without it, on engines whose
-    memory binds before their compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of
-    KV an engine) the router saw the fast engines of a mixed fleet free and sent them nearly
-    every request, which waited there for memory and were refused (tool_use 4 mixed x1: 40 of
-    616 requests on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md)."""
+def kv_wait_ms(
+    ev: EngineView, view: ClusterView, now: float, mine: float, cached: float = 0.0
+) -> float:
+    """How long a request of mean context ``mine`` tokens, ``cached`` of them in blocks cached
+    on ``ev``, waits for KV memory there: the requests decoding there hold their memory, and
+    where theirs and this one's new blocks pass the engine's KV capacity, it starts only once
+    enough of them have finished (:meth:`ClusterView.decode_release_ms` of that many, beyond
+    those decoding now a mean decode time each); its capacity is the engine's own
+    (:meth:`EngineView.kv_tokens`). A cached prefix they share is held once
+    (``EngineView.decode_held_tokens``: the engine pins a cached block once for all its
+    readers), and this request's cached prefix takes no new memory; cached prefixes nothing
+    uses are evicted for it and cost no wait. Without the wait, on engines whose memory binds
+    before their compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of KV an engine)
+    the router saw the fast engines of a mixed fleet free and sent them nearly every request,
+    which waited there for memory and were refused (tool_use 4 mixed x1: 40 of 616 requests
+    on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md). Counting each
+    reader's whole context instead (its first form) priced an engine that holds a hot document
+    as full, and sent the document's readers elsewhere to prefill it again (docs/router.md)."""
     n = ev.decoding
-    held = ev.decode_ctx_tokens
-    short = held + mine - ev.kv_tokens()
+    held = ev.decode_held_tokens
+    short = held + max(mine - cached, 0.0) - ev.kv_tokens()
     if short <= 0.0 or n <= 0 or held <= 0.0:
         return 0.0
     return view.decode_release_ms(ev, now, math.ceil(short * n / held))

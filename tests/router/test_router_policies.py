@@ -48,6 +48,7 @@ def ev(
     decode_ctx: float = 0.0,
     tpot_min: float = math.inf,
     decode_scale: float = 1.0,
+    decode_held: float | None = None,
 ) -> EngineView:
     return EngineView(
         engine_id=engine_id,
@@ -68,6 +69,7 @@ def ev(
         decode_scale=decode_scale,
         decoding=decoding,
         decode_ctx_tokens=decode_ctx,
+        decode_held_tokens=decode_ctx if decode_held is None else decode_held,
         decode_tpot_min_ms=tpot_min,
     )
 
@@ -1200,6 +1202,12 @@ def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
     assert kv_wait_ms(held, view, 0.0, 10_000) == 0.0
     assert kv_wait_ms(free, view, 0.0, 30_000) == 0.0
     assert kv_wait_ms(ev("idle"), view, 0.0, cap * 2) == 0.0  # (nothing to wait for)
+    # its prefix cached there takes no new memory
+    assert kv_wait_ms(held, view, 0.0, 30_000, cached=12_000) == 0.0
+    # what the requests decoding there hold, not their summed contexts: readers of one cached
+    # document hold it once
+    readers = ev("c", inflight=4, decoding=4, decode_ctx=cap - 20_000, decode_held=cap / 4)
+    assert kv_wait_ms(readers, view, 0.0, 30_000) == 0.0
     c = ctx(key_len=4 * 30_000)
     assert (
         estimate(held, c, 0, view, 0.0, {}).ttft_ms
