@@ -345,6 +345,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every request states max_tokens N (or its answer's length, if longer): clients "
         "that overstate their answers (default: exactly the answer's length)",
     )
+    p.add_argument(
+        "--link-delay",
+        type=float,
+        default=None,
+        metavar="S",
+        help="engine events reach the router S seconds after they happen (default 0.002: a "
+        "reporter's flush and an XREAD); a slow broker's stale view",
+    )
+    p.add_argument(
+        "--link-jitter",
+        type=float,
+        default=None,
+        metavar="S",
+        help="... plus a uniform delay up to S seconds per batch, seeded (default 0.001)",
+    )
     p.add_argument("--requests-per-engine", type=int, default=None)
     p.add_argument("--min-requests", type=int, default=None)
     p.add_argument("--max-requests", type=int, default=None)
@@ -571,9 +586,16 @@ def _run_matrix(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
+    for name in ("link_delay", "link_jitter"):
+        if getattr(args, name) is not None:
+            changes[f"{name}_s"] = getattr(args, name)
     if args.run_shed:
         changes["run_shed"] = True
-    spec = quick_spec(**changes) if args.quick else MatrixSpec(**changes)
+    try:
+        spec = quick_spec(**changes) if args.quick else MatrixSpec(**changes)
+    except ValueError as exc:
+        print(f"kvgate bench matrix: {exc}", file=sys.stderr)
+        return 2
     from bench.matrix import load_knees
 
     try:

@@ -81,7 +81,8 @@ OWN_SLOS = {"qwen_mix"}
 SCALED_SLO = "scaled:5:100"
 SYNTHETIC_RATE = 4.0  # requests/s a synthetic family is generated at (the knee rescales it)
 PROBE_REQUESTS = 200  # requests a workload's mean prompt length is read from
-LINK_JITTER_S = 0.001
+LINK_DELAY_S = LinkConfig().link_delay_s  # engine event -> router, s (the simulator's default)
+LINK_JITTER_S = 0.001  # ... plus up to this, seeded by the run's seed
 # what a matrix document saved before a field existed ran with, where not the field's default
 LEGACY_SPEC = {"min_window_s": 0.0}
 # the engines' cost profile a document without ``profile_digest`` ran on: the default profile
@@ -141,10 +142,17 @@ class MatrixSpec:
     # every request states this max_tokens (0: exactly its answer's length; see
     # bench.workloads.transform.stating_max_tokens): clients that overstate their answers
     stated_max_tokens: int = 0
+    # engine events reach the router this long after they happen (s; bench.sim.world.LinkConfig:
+    # a reporter's flush and an XREAD take a few ms), plus a uniform jitter per batch seeded by
+    # the run's seed: a slow broker's stale view (round robin reads none, so its knee holds)
+    link_delay_s: float = LINK_DELAY_S
+    link_jitter_s: float = LINK_JITTER_S
 
     def __post_init__(self) -> None:
         if self.stated_max_tokens < 0:
             raise ValueError("stated_max_tokens must be >= 0")
+        if not (self.link_delay_s >= 0.0 and self.link_jitter_s >= 0.0):
+            raise ValueError("link_delay_s and link_jitter_s must be >= 0")
         if self.reporting not in REPORTING:
             raise ValueError(f"reporting {self.reporting!r}: one of {', '.join(REPORTING)}")
         for kind in self.kinds:
@@ -175,7 +183,8 @@ class MatrixSpec:
             profile=self.profile,
             # events reach the router 2-3 ms after they happen, jittered by the seed
             link=LinkConfig(
-                link_jitter_s=LINK_JITTER_S,
+                link_delay_s=self.link_delay_s,
+                link_jitter_s=self.link_jitter_s,
                 seed=seed,
                 run_shed=self.run_shed,
                 request_events=self.reporting == "events",

@@ -154,6 +154,9 @@ def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     rc = main(["bench", "matrix", "--quick", "--profile", "no-such-gpu", "--out", out,
                "--no-plots"])  # fmt: skip
     assert rc == 2 and "no profile" in capsys.readouterr().err
+    rc = main(["bench", "matrix", "--quick", "--link-delay", "-1", "--out", out,
+               "--no-plots"])  # fmt: skip
+    assert rc == 2 and "link_delay_s" in capsys.readouterr().err
 
 
 def test_workloads_verb(capsys) -> None:

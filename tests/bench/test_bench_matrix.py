@@ -352,3 +352,15 @@ def test_engines_can_report_as_vllm_behind_the_bridge() -> None:
     assert not link.request_events and link.gateway_ttft
     with pytest.raises(ValueError, match="reporting"):
         MatrixSpec(reporting="vllm")
+
+
+def test_a_slow_broker_delays_every_engine_event_to_the_router() -> None:
+    """``link_delay_s`` / ``link_jitter_s`` (``--link-delay``, ``--link-jitter``) are the
+    simulator's event link for every cell: by default its few milliseconds; a negative delay
+    is refused."""
+    link = MatrixSpec().sim_config(4, "homo", 3).link
+    assert (link.link_delay_s, link.link_jitter_s, link.seed) == (0.002, 0.001, 3)
+    link = MatrixSpec(link_delay_s=0.5, link_jitter_s=0.25).sim_config(4, "hetero", 0).link
+    assert (link.link_delay_s, link.link_jitter_s) == (0.5, 0.25)
+    with pytest.raises(ValueError, match="link_delay_s"):
+        MatrixSpec(link_delay_s=-0.1)
