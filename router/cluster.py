@@ -294,23 +294,37 @@ class Cluster(ClusterState):
     def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         eng.decoding[request_id] = rec
         eng.decode_ctx += rec.ctx_tokens
-        shared = float(rec.cached_tokens)
-        eng.decode_held += rec.ctx_tokens - shared
-        prefix = eng.decode_prefixes.get(rec.group)
-        if prefix is None:
-            eng.decode_prefixes[rec.group] = [1.0, shared]
-            eng.decode_held += shared
-        else:
-            prefix[0] += 1.0
-            if shared > prefix[1]:
-                eng.decode_held += shared - prefix[1]
-                prefix[1] = shared
+        self._hold_memory(eng, rec)
         _count(eng.decode_tpots, rec.tpot_slo_ms, 1)
 
     def _stop_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         if eng.decoding.pop(request_id, None) is None:
             return
         eng.decode_ctx = eng.decode_ctx - rec.ctx_tokens if eng.decoding else 0.0
+        self._release_memory(eng, rec)
+        _count(eng.decode_tpots, rec.tpot_slo_ms, -1)
+
+    @staticmethod
+    def _hold_memory(eng: _Engine, rec: _Inflight) -> None:
+        """``rec`` decodes on ``eng``: the KV memory it holds there is its context past its
+        cached prefix, and its prefix group's cached prefix, held once for all the group's
+        requests decoding there (the engine pins a cached block once for all its readers)."""
+        shared = float(rec.cached_tokens)
+        eng.decode_held += rec.ctx_tokens - shared
+        prefix = eng.decode_prefixes.get(rec.group)
+        if prefix is None:
+            eng.decode_prefixes[rec.group] = [1.0, shared]
+            eng.decode_held += shared
+            return
+        prefix[0] += 1.0
+        if shared > prefix[1]:
+            eng.decode_held += shared - prefix[1]
+            prefix[1] = shared
+
+    @staticmethod
+    def _release_memory(eng: _Engine, rec: _Inflight) -> None:
+        """``rec`` no longer decodes on ``eng``: its own memory is free, and its group's
+        cached prefix once the group's last request there ends."""
         eng.decode_held -= rec.ctx_tokens - rec.cached_tokens
         prefix = eng.decode_prefixes[rec.group]
         prefix[0] -= 1.0
@@ -319,7 +333,6 @@ class Cluster(ClusterState):
             eng.decode_held -= prefix[1]
         if not eng.decoding:  # (no drift from float sums)
             eng.decode_held = 0.0
-        _count(eng.decode_tpots, rec.tpot_slo_ms, -1)
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
         eng.tpots.append(tpot_ms)
