@@ -478,10 +478,18 @@ class SpeedFit:
         ):
             return log, evidence  # nothing to learn (an idle step, a bad report)
         sample = min(max(math.log(observed / predicted), -LOG_CLIP), LOG_CLIP)
-        weight = min(weight, 1.0)
-        evidence += weight
-        rate = max(weight / evidence, self.alpha * weight)
-        return log + rate * (sample - log), evidence
+        return _averaged(log, evidence, sample, min(weight, 1.0), self.alpha)
+
+
+def _averaged(
+    value: float, evidence: float, sample: float, weight: float, alpha: float
+) -> tuple[float, float]:
+    """``value`` (a mean over ``evidence`` of weight so far) moved toward ``sample`` of
+    ``weight`` (at most 1), and the evidence after it: a running mean while the evidence is
+    young (below ``1 / alpha``), then exponentially weighted with ``alpha`` (the fits here
+    converge in a few samples and then follow drift)."""
+    evidence += weight
+    return value + max(weight / evidence, alpha * weight) * (sample - value), evidence
 
 
 class OutputFit:
@@ -528,8 +536,7 @@ class OutputFit:
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = [1.0, 0.0]
-        b[1] += 1.0
-        b[0] += max(1.0 / b[1], self.alpha) * (sample - b[0])
+        b[0], b[1] = _averaged(b[0], b[1], sample, 1.0, self.alpha)
 
 
 DEFAULT_KV_BYTES_PER_TOKEN = 131_072  # Mistral-7B fp16: 32 layers x 2 (K, V) x 1024 x 2 bytes
