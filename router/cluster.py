@@ -49,11 +49,17 @@ from broker.events import (
     RequestStarted,
 )
 from engine_reporter.hashing import block_hash
+from kvgate.cost_model import slower_than
 from router.api import RouteRequest
 from router.cluster_state import ClusterState
 from router.engine_state import _Engine, _GroupWork, _Inflight
 from router.policies.base import Move
-from router.policies.feasibility import RATE_TAU_S, queued_prefill_tokens
+from router.policies.feasibility import (
+    RATE_TAU_S,
+    decode_step_ms,
+    prefill_share,
+    queued_prefill_tokens,
+)
 from router.tree_node import Match
 
 # prefill work in one heartbeat that weighs as much as a first token in the speed fit
@@ -61,6 +67,11 @@ HEARTBEAT_FULL_WEIGHT_MS = 100.0
 # the weight of an idle engine's TTFT in its prefill speed fit (an exact prefill time weighs 1:
 # the TTFT also holds a decode step and the request's trip)
 IDLE_TTFT_WEIGHT = 0.5
+# an engine's TTFT fit counts once it holds this much evidence (a standard error needs two
+# samples); one engine is read slower than another only past TTFT_FIT_SD standard errors of the
+# difference of their means (as router.policies.e2.significant judges a split of requests)
+TTFT_FIT_MIN_EVIDENCE = 2.0
+TTFT_FIT_SD = 2.0
 
 
 class Cluster(ClusterState):
@@ -215,8 +226,63 @@ class Cluster(ClusterState):
             and not eng.reports_prefill_steps
         ):
             eng.speed.observe_prefill(rec.idle_prefill_ms, ttft_ms, weight=IDLE_TTFT_WEIGHT)
+        elif rec.ttft_pred_ms > 0 and not eng.reports_prefill_steps:
+            self._fit_ttft(eng, rec, ttft_ms)
         self._first_token(eng, request_id, rec, ttft_ms, now)
         return True
+
+    def _fit_ttft(self, eng: _Engine, rec: _Inflight, ttft_ms: float) -> None:
+        """A first token the gateway saw on an engine that reports no prefill timings: its TTFT
+        against the router's prediction, with the prefill factor that prediction used divided
+        out, says how slow the engine runs plus what every engine's TTFT holds that the router
+        does not model (:class:`kvgate.cost_model.TtftFit`). Each such engine's prefill factor
+        is then how much slower it runs than the fastest of them
+        (:func:`kvgate.cost_model.slower_than`): the fleet's fastest is taken to be as fast as
+        its profile. Behind the bridge on arrival-order engines, with half of four engines 2x
+        slower than they announced, tool_use at twice the knee went from 75.5% to 98.5% of its
+        SLOs (docs/BENCHMARKS.md). The reference changes only when it is the engine observed or
+        is overtaken, so the fleet is re-read about once in as many first tokens as it has
+        such engines."""
+        fit = eng.ttft_fit
+        if not fit.observe(
+            rec.ttft_pred_ms, ttft_ms * math.exp(rec.ttft_factor_log), rec.ttft_weight
+        ):
+            return
+        if fit.evidence < TTFT_FIT_MIN_EVIDENCE:
+            return
+        ref = self._ttft_ref
+        if (
+            ref is None
+            or ref is eng
+            or fit.log < ref.ttft_fit.log
+            or self.engines.get(ref.engine_id) is not ref
+        ):
+            self._ttft_ref = ref = self._fastest_by_ttft()
+            if ref is None:
+                return
+            for e in self.engines.values():
+                if self._ttft_fitted(e):
+                    self._set_ttft_factor(e, ref)
+        else:
+            self._set_ttft_factor(eng, ref)
+
+    def _fastest_by_ttft(self) -> _Engine | None:
+        best: _Engine | None = None
+        for e in self.engines.values():
+            if self._ttft_fitted(e) and (best is None or e.ttft_fit.log < best.ttft_fit.log):
+                best = e
+        return best
+
+    @staticmethod
+    def _ttft_fitted(eng: _Engine) -> bool:
+        return eng.ttft_fit.evidence >= TTFT_FIT_MIN_EVIDENCE and not eng.reports_prefill_steps
+
+    def _set_ttft_factor(self, eng: _Engine, ref: _Engine) -> None:
+        eng.speed.set_prefill(
+            slower_than(eng.ttft_fit, ref.ttft_fit, TTFT_FIT_SD), eng.ttft_fit.evidence
+        )
+        eng.view = None
+        self._load_dirty[eng.engine_id] = eng
 
     def _not_pending(self, request_id: str) -> None:
         rec = self._inflight.get(request_id)
@@ -467,6 +533,8 @@ class Cluster(ClusterState):
             matched_bytes=mine,
             cached_tokens=cached,
         )
+        if c.fit_speed and c.fit_relative_ttft and not (eng.reports_requests or c.fit_gateway_ttft):
+            self._predict_ttft(eng, rec, p.prefill_ms(missed, cached))
         own_s = p.prefill_ms(missed, cached) * eng.speed.prefill / 1e3
         # an engine that sends no request events (a plain vLLM behind the bridge) never says
         # when a prefill ends: assume it ends when the work queued there would be done
@@ -494,6 +562,23 @@ class Cluster(ClusterState):
         # a request that wanted the prefix counts in its hit count wherever it was served
         # (Preble's M prices an eviction by the requests that want what it evicts)
         self.tree.touch(match, engine_id, max(mine, match.depth), now)
+
+    def _predict_ttft(self, eng: _Engine, rec: _Inflight, own_ms: float) -> None:
+        """What ``rec`` (just routed to ``eng``, which reports no request events) should see as
+        its TTFT there, for :meth:`_fit_ttft`: on an engine that says nothing of when a prefill
+        ends the prefill routed there and not yet answered runs first (as the prefill's guessed
+        end, ``_Engine.open_prefill``, has it), at the share of the GPU its decode batch leaves
+        prefill, after one decode step. Weighted by its own prefill's share of that prefill:
+        the router's guess of the queue is what it knows least."""
+        p = eng.profile
+        queued = p.prefill_ms(eng.open_prefill_tokens + rec.missed_tokens)
+        if queued <= 0:
+            return
+        ev = self.engine_view(eng)
+        step = decode_step_ms(ev)
+        rec.ttft_pred_ms = queued * eng.speed.prefill / prefill_share(ev, step) + step
+        rec.ttft_factor_log = math.log(eng.speed.prefill)
+        rec.ttft_weight = min(own_ms / queued, 1.0)
 
     def release(self, request_id: str, how: str, now: float) -> bool:
         """A routed request ended (``how``: event, report or timeout); frees its in-flight slot.

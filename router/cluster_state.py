@@ -63,6 +63,12 @@ class ClusterConfig:
     # its profile, and the routing benchmark's hit rate fell from 0.849 to 0.808; it does
     # find slow engines in the simulator: docs/router.md)
     fit_gateway_ttft: bool = False
+    # ... and, without it, how much slower than the fleet's fastest such engine each one runs,
+    # from the gateway's TTFTs of its answers against the router's own predictions
+    # (kvgate.cost_model.TtftFit, Cluster._fit_ttft): what every engine's TTFT holds beside its
+    # prefill cancels, and a mixed fleet's slow engines show (off: they look as fast as their
+    # profile, and on arrival-order engines their prefill chunks stall every decode step there)
+    fit_relative_ttft: bool = True
     # plan each request's answer at what answers under its stated max_tokens have taken
     # (kvgate.cost_model.OutputFit, learned from finished requests); off: at the stated cap
     fit_output: bool = True
@@ -136,6 +142,8 @@ class ClusterState:
         self.spec = Speculative(c.speculative_max_entries)
         self.engines: dict[str, _Engine] = {}
         self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
+        # the engine whose TTFTs read fastest against the router's predictions (Cluster._fit_ttft)
+        self._ttft_ref: _Engine | None = None
         # [t, engine, group, prefill_ms, out_tokens, key bytes]
         self._load: deque[list] = deque()
         # what the window holds, summed over the engines (moves change only whose it is)

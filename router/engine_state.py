@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from broker.events import LoadHeartbeat
-from kvgate.cost_model import CostProfile, SpeedFit
+from kvgate.cost_model import CostProfile, SpeedFit, TtftFit
 from router.policies.base import EngineView
 
 
@@ -40,6 +40,12 @@ class _Inflight:
     # its prompt's tokens in those whole blocks: while it decodes, KV memory it shares with the
     # requests of its prefix group decoding there (the engine pins a cached block once)
     cached_tokens: int = 0
+    # on an engine whose prefill speed only the gateway's TTFTs show (Cluster._fit_ttft): the
+    # TTFT the router predicted there, the log of the prefill factor that prediction used, and
+    # the sample's weight (its own prefill's share of the prefill it waited for)
+    ttft_pred_ms: float = 0.0
+    ttft_factor_log: float = 0.0
+    ttft_weight: float = 0.0
 
     def __init__(
         self,
@@ -78,6 +84,9 @@ class _Inflight:
         self.idle_prefill_ms = idle_prefill_ms
         self.matched_bytes = matched_bytes
         self.cached_tokens = cached_tokens
+        self.ttft_pred_ms = 0.0
+        self.ttft_factor_log = 0.0
+        self.ttft_weight = 0.0
 
 
 class _GroupWork:
@@ -159,6 +168,9 @@ class _Engine:
     load_key: float | None = None  # the L it is filed under in ClusterState._by_load
     window_key: float | None = None  # ... in ClusterState._by_window
     speed: SpeedFit = field(default_factory=SpeedFit)  # its fitted prefill/decode speed
+    # the gateway's TTFTs of its answers against the router's predictions (engines that report
+    # no prefill timings: the fleet-relative prefill fit, Cluster._fit_ttft)
+    ttft_fit: TtftFit = field(default_factory=TtftFit)
     # the router's requests decoding there (past their first token): what the engine's decode
     # step runs, so what prefill's share of the GPU is (router.policies.feasibility)
     decoding: dict[str, _Inflight] = field(default_factory=dict)

@@ -59,6 +59,14 @@ def add_router_options(group: Any) -> None:
         "behind the bridge) from the TTFTs the gateway sees of streamed answers (off: they hold "
         "the host's and the HTTP path's delays too)",
     )
+    group.add_argument(
+        "--no-fit-relative-ttft",
+        dest="fit_relative_ttft",
+        action="store_false",
+        help="do not read an engine that sends no request events as slower than the fleet's "
+        "fastest such engine from the gateway's TTFTs against the router's predictions (on by "
+        "default: a delay every answer holds cancels in the comparison)",
+    )
 
 
 def json_values(pairs: list[str], usage: str) -> dict[str, Any]:
@@ -100,5 +108,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         approximate=args.approximate,
         fit_speed=args.fit_speed,
         fit_gateway_ttft=args.fit_gateway_ttft,
+        fit_relative_ttft=args.fit_relative_ttft,
     )
     return RouterConfig(args.policy, options, cluster)

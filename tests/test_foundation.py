@@ -198,6 +198,30 @@ def test_speed_fit_converges_follows_drift_and_ignores_nonsense() -> None:
     assert weak.prefill_evidence == 0.5 and weak.prefill == pytest.approx(3.0)
 
 
+def test_ttft_fit_reads_one_engine_against_another_and_not_noise() -> None:
+    """What every engine's TTFT holds beside its prefill (the HTTP path, the host) cancels in
+    the comparison; a gap within two standard errors of the difference is read as none."""
+    from kvgate.cost_model import TtftFit, slower_than
+
+    fast, slow, twin = TtftFit(), TtftFit(), TtftFit()
+    assert fast.se2() == math.inf and slower_than(slow, fast, 2.0) == 0.0  # nothing seen yet
+    noise = (0.9, 1.1, 1.0, 1.2, 0.8) * 8
+    for n in noise:  # all three 3x their prediction (a common delay); slow 2x more
+        assert fast.observe(100.0, 300.0 * n)
+        slow.observe(100.0, 600.0 * n)
+        twin.observe(100.0, 300.0 * n * (1.05 if n > 1 else 0.95))
+    assert fast.log == pytest.approx(math.log(3.0), abs=0.05)
+    gap = slower_than(slow, fast, 2.0)
+    assert math.log(1.6) < gap < math.log(2.0)  # 2x, less two standard errors
+    assert slower_than(slow, fast, 0.0) == pytest.approx(math.log(2.0), abs=0.02)
+    assert slower_than(twin, fast, 2.0) == 0.0  # a noise-sized gap: none
+    assert slower_than(fast, slow, 2.0) == 0.0 and slower_than(slow, slow, 2.0) == 0.0
+    before = (fast.log, fast.evidence)
+    for bad in ((0.0, 1.0), (1.0, math.nan), (100.0, 200.0, 0.0)):
+        assert not fast.observe(*bad)
+    assert (fast.log, fast.evidence) == before
+
+
 def test_output_fit_plans_on_the_cap_until_answers_under_it_have_ended() -> None:
     from kvgate.cost_model import OutputFit
 

@@ -1512,13 +1512,58 @@ def test_the_gateways_first_token_stands_in_for_an_engine_without_request_events
     assert not f.router.first_token("r2", other, 3 * prof.prefill_ms(10_000), 3.0)
     assert "r2" in cl.engines[other].open_prefill
     assert _view(f, 3.0, other)[1].prefill_scale == 1.0
-    # by default the gateway's TTFT ends the prefill but fits nothing (it holds the host's and
-    # the HTTP path's delays too)
+    # by default the gateway's TTFT ends the prefill and fits an engine's speed only against
+    # the fleet's other engines (it holds the host's and the HTTP path's delays too): alone,
+    # an engine 3x its prediction is as fast as the fleet
     g = Fleet(n=1)
     g.route("r", key, 1.0)
     assert g.router.first_token("r", "e0", 3 * prof.prefill_ms(10_000), 2.0)
     assert "r" in g.router.cluster.engines["e0"].decoding
     assert _view(g, 2.0)[1].prefill_scale == 1.0
+
+
+def _bridged_fleet_answers(f: Fleet, truth: dict[str, float], n: int, delay: float) -> None:
+    """``n`` requests, each answered (the gateway's TTFT) at ``delay`` x its engine's ``truth``
+    x the router's prediction on the engine's profile."""
+    cl = f.router.cluster
+    for i in range(n):
+        now = 1.0 + i
+        for e in truth:
+            f.heartbeat(e, now)
+        d = f.route(f"q{i}", bytes([i % 251]) * 8_000 + b"%d" % i, now)
+        rec = cl._inflight[f"q{i}"]
+        assert rec.ttft_pred_ms > 0 and 0 < rec.ttft_weight <= 1
+        on_profile = rec.ttft_pred_ms / math.exp(rec.ttft_factor_log)
+        jitter = 1.0 + 0.05 * ((i % 3) - 1)
+        ttft = on_profile * truth[d.engine_id] * delay * jitter
+        assert f.router.first_token(f"q{i}", d.engine_id, ttft, now + ttft / 1e3)
+        f.router.report(f"q{i}", d.engine_id, "ok", now + 0.5)
+
+
+def test_behind_the_bridge_an_engine_slower_than_the_fleet_is_read_from_the_gateways_ttfts() -> (
+    None
+):
+    """Engines that report no prefill timings: each one's prefill factor is how much slower its
+    TTFTs run against the router's predictions than the fastest engine's. A delay every answer
+    holds (the HTTP path, a loaded host) cancels; identical engines read as identical."""
+    f = Fleet(n=3)
+    _bridged_fleet_answers(f, {"e0": 1.0, "e1": 2.0, "e2": 1.0}, 60, delay=3.0)
+    scale = {e: _view(f, 70.0, e)[1].prefill_scale for e in ("e0", "e1", "e2")}
+    assert scale["e0"] == scale["e2"] == 1.0
+    assert 1.6 < scale["e1"] <= 2.0
+    # the slow engine, now priced as slow, took fewer of the requests
+    counts = f.router.cluster.engines
+    assert counts["e1"].routed_total < min(counts["e0"].routed_total, counts["e2"].routed_total)
+    # off: every engine is as fast as its profile
+    g = Fleet(n=3, fit_relative_ttft=False)
+    cl = g.router.cluster
+    d = g.route("q", b"z" * 8_000, 1.0)
+    assert cl._inflight["q"].ttft_pred_ms == 0.0
+    # an engine that sends its own request events is fitted from them, never from this
+    h = Fleet(n=2)
+    h.send("e0", RequestStarted("x"), 0.5)
+    d = h.route("q", b"z" * 8_000, 1.0, exclude=frozenset({"e1"}))
+    assert d.engine_id == "e0" and h.router.cluster._inflight["q"].ttft_pred_ms == 0.0
 
 
 def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -> None:

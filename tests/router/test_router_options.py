@@ -63,6 +63,9 @@ def test_the_same_flags_give_the_same_router_config() -> None:
     assert r.cluster.speculative_ttl_s == 3.0 and r.cluster.fit_speed is False
     assert r.cluster.fit_gateway_ttft is True
     assert router_config(sub("router").parse_args([])).cluster.fit_gateway_ttft is False
+    assert router_config(sub("router").parse_args([])).cluster.fit_relative_ttft is True
+    off = sub("gateway").parse_args(["--no-fit-relative-ttft"])
+    assert router_config(off).cluster.fit_relative_ttft is False
 
 
 async def test_the_embedded_router_runs_with_the_flags() -> None:
