@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -156,6 +157,7 @@ def kvgate_router(
         port = free_port()
         name, options = parse_policy(policy)  # e.g. e2[work_weight=2]
         flags = [a for k, v in options.items() for a in ("--policy-option", f"{k}={json.dumps(v)}")]
+        flags += shlex.split(args.gateway_args)
         cmd = [KVGATE, "gateway", "--host", LOOPBACK, "--port", str(port),
                "--broker-url", args.redis, "--broker-prefix", prefix,
                "--chat-template", args.model_dir, "--policy", name, *flags,
@@ -327,8 +329,9 @@ def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
         runs = []
         for seed in seeds:
             # the engines report as vLLM behind the bridge does (no request events), and the
-            # benchmark's answers are not streamed (no first token for the gateway to report)
-            link = LinkConfig(request_events=False, gateway_ttft=False)
+            # benchmark's answers are not streamed unless --stream (no first token for the
+            # gateway to report)
+            link = LinkConfig(request_events=False, gateway_ttft=args.stream)
             cfg = SimConfig(engines=args.engines, profile=profile_spec, seed=seed, link=link)
             result = run_one(replica_workload(args, seed, profile), router, "fcfs", cfg)
             sm = result["summary"]
@@ -493,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--stream", action="store_true", help="stream the answers (SSE)")
+    ap.add_argument(
+        "--gateway-args",
+        default="",
+        help="more flags for each kvgate gateway, e.g. '--no-fit-relative-ttft' (kvgate routers)",
+    )
     ap.add_argument(
         "--routers",
         default="e2,cache_aware,sglang-router",
