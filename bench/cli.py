@@ -147,6 +147,14 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
     g.add_argument("--link-jitter", type=float, default=0.0, help="extra uniform delay, s")
     g.add_argument("--network-delay", type=float, default=0.0005, help="gateway -> engine, s")
     g.add_argument("--heartbeat", type=float, default=1.0, help="engine heartbeat period, s")
+    g.add_argument(
+        "--reporting",
+        default="events",
+        choices=("events", "bridge"),
+        help="what the engines report: events (kvgate's engine, the default) or bridge (as a "
+        "plain vLLM behind the bridge: KV events and heartbeats only; the gateway reports each "
+        "answer's first token)",
+    )
     g.add_argument("--ingress-ms", type=float, default=0.0, help="client -> router, fixed ms")
     g.add_argument(
         "--ingress-ms-per-mb", type=float, default=0.0, help="client -> router, ms per MB of key"
@@ -500,6 +508,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
             seed=args.seed,
             ingress_s=args.ingress_ms / 1000.0,
             ingress_s_per_mb=args.ingress_ms_per_mb / 1000.0,
+            request_events=getattr(args, "reporting", "events") == "events",
         ),
         seed=args.seed,
     )

@@ -479,12 +479,20 @@ class SpeedFit:
     def _update(
         self, log: float, evidence: float, predicted: float, observed: float, weight: float
     ) -> tuple[float, float]:
-        if not (predicted > 0 and observed > 0 and weight > 0) or not (
-            math.isfinite(predicted) and math.isfinite(observed)
-        ):
+        sample = _log_ratio(predicted, observed, weight)
+        if sample is None:
             return log, evidence  # nothing to learn (an idle step, a bad report)
-        sample = min(max(math.log(observed / predicted), -LOG_CLIP), LOG_CLIP)
         return _averaged(log, evidence, sample, min(weight, 1.0), self.alpha)
+
+
+def _log_ratio(predicted: float, observed: float, weight: float) -> float | None:
+    """``log(observed / predicted)`` clipped to ``LOG_CLIP`` either way, or None when the
+    figures say nothing (not positive, not finite, no weight)."""
+    if not (predicted > 0 and observed > 0 and weight > 0) or not (
+        math.isfinite(predicted) and math.isfinite(observed)
+    ):
+        return None
+    return min(max(math.log(observed / predicted), -LOG_CLIP), LOG_CLIP)
 
 
 def _averaged(
@@ -532,11 +540,9 @@ class TtftFit:
     def observe(self, predicted_ms: float, observed_ms: float, weight: float = 1.0) -> bool:
         """A TTFT of ``observed_ms`` where the profile predicted ``predicted_ms``; False when
         there is nothing to learn (a bad figure)."""
-        if not (predicted_ms > 0 and observed_ms > 0 and weight > 0) or not (
-            math.isfinite(predicted_ms) and math.isfinite(observed_ms)
-        ):
+        sample = _log_ratio(predicted_ms, observed_ms, weight)
+        if sample is None:
             return False
-        sample = min(max(math.log(observed_ms / predicted_ms), -LOG_CLIP), LOG_CLIP)
         weight = min(weight, 1.0)
         self._sq, _ = _averaged(self._sq, self._w, sample * sample, weight, self.alpha)
         self._log, self._w = _averaged(self._log, self._w, sample, weight, self.alpha)
