@@ -391,3 +391,17 @@ def test_the_router_and_the_engines_learn_how_long_answers_under_a_cap_are() -> 
     bridged = build_world("e2", "fcfs", SimConfig(engines=2, link=LinkConfig(request_events=False)))
     bridged.run(reqs)
     assert bridged.router.router.cluster.output_fit.expected(4096) == 40
+
+
+def test_bench_sim_reporting_flag_reaches_the_simulators_link() -> None:
+    """``kvgate bench sim --reporting bridge``: the engines report as a plain vLLM behind the
+    bridge does (no request events); by default as kvgate's engine does."""
+    import argparse
+
+    from bench.cli import _sim_config, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    bridged = _sim_config(parser.parse_args(["sim", "--reporting", "bridge"]))
+    assert bridged.link.request_events is False
+    assert _sim_config(parser.parse_args(["sim"])).link.request_events is True
