@@ -66,6 +66,9 @@ class _Inflight:
         idle_prefill_ms: float = 0.0,
         matched_bytes: int = 0,
         cached_tokens: int = 0,
+        ttft_pred_ms: float = 0.0,
+        ttft_factor_log: float = 0.0,
+        ttft_weight: float = 0.0,
     ) -> None:
         self.engine_id = engine_id
         self.t = t
@@ -84,9 +87,9 @@ class _Inflight:
         self.idle_prefill_ms = idle_prefill_ms
         self.matched_bytes = matched_bytes
         self.cached_tokens = cached_tokens
-        self.ttft_pred_ms = 0.0
-        self.ttft_factor_log = 0.0
-        self.ttft_weight = 0.0
+        self.ttft_pred_ms = ttft_pred_ms
+        self.ttft_factor_log = ttft_factor_log
+        self.ttft_weight = ttft_weight
 
 
 class _GroupWork:
