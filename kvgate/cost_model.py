@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 from pathlib import Path
@@ -548,23 +549,69 @@ class TtftFit:
         self._log, self._w = _averaged(self._log, self._w, sample, weight, self.alpha)
         return True
 
-    def se2(self) -> float:
-        """The squared standard error of :attr:`log`: the samples' variance over their number,
-        at most ``1 / alpha`` of them (the exponentially weighted mean's memory)."""
+    @property
+    def variance(self) -> float:
+        """The samples' variance (0 before any)."""
+        return max(self._sq - self._log * self._log, 0.0)
+
+    def se2(self, floor: float = 0.0) -> float:
+        """The squared standard error of :attr:`log`: the samples' variance (at least
+        ``floor``: a few samples can agree by chance) over their number, at most ``1 / alpha``
+        of them (the exponentially weighted mean's memory)."""
         if self._w <= 0:
             return math.inf
-        var = max(self._sq - self._log * self._log, 0.0)
-        return var / min(self._w, 1.0 / self.alpha)
+        return max(self.variance, floor) / min(self._w, 1.0 / self.alpha)
 
 
-def slower_than(fit: TtftFit, ref: TtftFit, sd: float) -> float:
-    """How much slower (as a log factor, >= 0) the engine of ``fit`` runs than the engine of
-    ``ref``, less ``sd`` standard errors of the difference: on identical engines the two means
+@dataclass(frozen=True, slots=True)
+class TtftReference:
+    """The fleet's fastest engines, as :class:`TtftFit` s read them: the mean log of those
+    indistinguishable from the fastest (``log``, its squared standard error ``se2``), the
+    fleet's pooled variance of a sample (``variance``, every engine's standard error's floor)
+    and how many standard errors make a difference (``sd``)."""
+
+    log: float
+    se2: float
+    variance: float
+    sd: float
+
+
+def ttft_reference(fits: Sequence[TtftFit], sd: float) -> TtftReference | None:
+    """The reference the engines of ``fits`` are read against (None: no fits). Not the single
+    fastest: of many identical engines one reads fastest by chance, and the rest would read
+    slower than it by their noise (on 64 identical engines up to 1.8x). The engines within
+    ``sd`` standard errors of the fastest are as fast as it, and their evidence-weighted mean is
+    the reference; the variance of a sample is pooled over the fleet (an engine with two or
+    three samples says little of its own). ``sd`` grows with the fleet, to ``sqrt(2 ln n)`` of
+    ``n`` engines (about the largest of ``n`` standard normal draws): of many engines some
+    stray ``sd`` standard errors by chance alone."""
+    if not fits:
+        return None
+    sd = max(sd, math.sqrt(2.0 * math.log(len(fits))))
+    weight = sum(f.evidence for f in fits)
+    pooled = sum(f.variance * f.evidence for f in fits) / weight if weight > 0 else 0.0
+    fastest = min(fits, key=_fit_log)
+    bound = fastest.se2(pooled)
+    peers = [f for f in fits if f.log - fastest.log <= sd * math.sqrt(f.se2(pooled) + bound)]
+    total = sum(f.evidence for f in peers)
+    log = sum(f.log * f.evidence for f in peers) / total
+    # the mean of the peers' means: its variance, each weighted by its evidence
+    se2 = sum(f.se2(pooled) * f.evidence**2 for f in peers) / total**2
+    return TtftReference(log, se2, pooled, sd)
+
+
+def _fit_log(fit: TtftFit) -> float:
+    return fit.log
+
+
+def slower_than(fit: TtftFit, ref: TtftReference) -> float:
+    """How much slower (as a log factor, >= 0) the engine of ``fit`` runs than the reference
+    engines, less ``ref.sd`` standard errors of the difference: on identical engines the means
     differ by their noise, and an engine read as slower takes fewer requests than it should."""
     gap = fit.log - ref.log
-    if fit is ref or gap <= 0:
+    if gap <= 0:
         return 0.0
-    return max(gap - sd * math.sqrt(fit.se2() + ref.se2()), 0.0)
+    return max(gap - ref.sd * math.sqrt(fit.se2(ref.variance) + ref.se2), 0.0)
 
 
 class OutputFit:

@@ -49,7 +49,7 @@ from broker.events import (
     RequestStarted,
 )
 from engine_reporter.hashing import block_hash
-from kvgate.cost_model import slower_than
+from kvgate.cost_model import TtftReference, slower_than, ttft_reference
 from router.api import RouteRequest
 from router.cluster_state import ClusterState
 from router.engine_state import _Engine, _GroupWork, _Inflight
@@ -68,8 +68,9 @@ HEARTBEAT_FULL_WEIGHT_MS = 100.0
 # the TTFT also holds a decode step and the request's trip)
 IDLE_TTFT_WEIGHT = 0.5
 # an engine's TTFT fit counts once it holds this much evidence (a standard error needs two
-# samples); one engine is read slower than another only past TTFT_FIT_SD standard errors of the
-# difference of their means (as router.policies.e2.significant judges a split of requests)
+# samples); an engine is read slower than the fleet's fastest only past TTFT_FIT_SD standard
+# errors of the difference of their means (as router.policies.e2.significant judges a split of
+# requests; more in a big fleet: kvgate.cost_model.ttft_reference)
 TTFT_FIT_MIN_EVIDENCE = 2.0
 TTFT_FIT_SD = 2.0
 
@@ -236,13 +237,14 @@ class Cluster(ClusterState):
         against the router's prediction, with the prefill factor that prediction used divided
         out, says how slow the engine runs plus what every engine's TTFT holds that the router
         does not model (:class:`kvgate.cost_model.TtftFit`). Each such engine's prefill factor
-        is then how much slower it runs than the fastest of them
-        (:func:`kvgate.cost_model.slower_than`): the fleet's fastest is taken to be as fast as
-        its profile. Behind the bridge on arrival-order engines, with half of four engines 2x
-        slower than they announced, tool_use at twice the knee went from 75.5% to 98.5% of its
-        SLOs (docs/BENCHMARKS.md). The reference changes only when it is the engine observed or
-        is overtaken, so the fleet is re-read about once in as many first tokens as it has
-        such engines."""
+        is then how much slower it runs than the fleet's fastest
+        (:func:`kvgate.cost_model.ttft_reference`, :func:`~kvgate.cost_model.slower_than`),
+        which is taken to be as fast as its profile. Behind the bridge on arrival-order
+        engines, with half of four engines 2x slower than they announced, tool_use at twice the
+        knee went from 75.5% to 98.5% of its SLOs (docs/BENCHMARKS.md). The reference is a
+        fleet-wide figure: re-read, with every engine's factor, once in as many first tokens
+        as there are such engines (and whenever an engine reads faster than it); between
+        times only the engine observed is re-read."""
         fit = eng.ttft_fit
         if not fit.observe(
             rec.ttft_pred_ms, ttft_ms * math.exp(rec.ttft_factor_log), rec.ttft_weight
@@ -250,37 +252,24 @@ class Cluster(ClusterState):
             return
         if fit.evidence < TTFT_FIT_MIN_EVIDENCE:
             return
+        self._ttft_reads += 1
         ref = self._ttft_ref
-        if (
-            ref is None
-            or ref is eng
-            or fit.log < ref.ttft_fit.log
-            or self.engines.get(ref.engine_id) is not ref
-        ):
-            self._ttft_ref = ref = self._fastest_by_ttft()
-            if ref is None:
-                return
-            for e in self.engines.values():
-                if self._ttft_fitted(e):
+        if ref is None or fit.log < ref.log or self._ttft_reads >= len(self.engines):
+            fitted = [e for e in self.engines.values() if self._ttft_fitted(e)]
+            self._ttft_ref = ref = ttft_reference([e.ttft_fit for e in fitted], TTFT_FIT_SD)
+            self._ttft_reads = 0
+            if ref is not None:
+                for e in fitted:
                     self._set_ttft_factor(e, ref)
         else:
             self._set_ttft_factor(eng, ref)
-
-    def _fastest_by_ttft(self) -> _Engine | None:
-        best: _Engine | None = None
-        for e in self.engines.values():
-            if self._ttft_fitted(e) and (best is None or e.ttft_fit.log < best.ttft_fit.log):
-                best = e
-        return best
 
     @staticmethod
     def _ttft_fitted(eng: _Engine) -> bool:
         return eng.ttft_fit.evidence >= TTFT_FIT_MIN_EVIDENCE and not eng.reports_prefill_steps
 
-    def _set_ttft_factor(self, eng: _Engine, ref: _Engine) -> None:
-        eng.speed.set_prefill(
-            slower_than(eng.ttft_fit, ref.ttft_fit, TTFT_FIT_SD), eng.ttft_fit.evidence
-        )
+    def _set_ttft_factor(self, eng: _Engine, ref: TtftReference) -> None:
+        eng.speed.set_prefill(slower_than(eng.ttft_fit, ref), eng.ttft_fit.evidence)
         eng.view = None
         self._load_dirty[eng.engine_id] = eng
 

@@ -21,6 +21,7 @@ from kvgate.cost_model import (
     KvLink,
     OutputFit,
     ProfileError,
+    TtftReference,
     default_profile,
     load_profile,
 )
@@ -142,8 +143,10 @@ class ClusterState:
         self.spec = Speculative(c.speculative_max_entries)
         self.engines: dict[str, _Engine] = {}
         self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
-        # the engine whose TTFTs read fastest against the router's predictions (Cluster._fit_ttft)
-        self._ttft_ref: _Engine | None = None
+        # the fleet's fastest engines as their TTFTs read against the router's predictions, and
+        # the reads since it was last taken (Cluster._fit_ttft)
+        self._ttft_ref: TtftReference | None = None
+        self._ttft_reads = 0
         # [t, engine, group, prefill_ms, out_tokens, key bytes]
         self._load: deque[list] = deque()
         # what the window holds, summed over the engines (moves change only whose it is)

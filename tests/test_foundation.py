@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -198,24 +199,33 @@ def test_speed_fit_converges_follows_drift_and_ignores_nonsense() -> None:
     assert weak.prefill_evidence == 0.5 and weak.prefill == pytest.approx(3.0)
 
 
-def test_ttft_fit_reads_one_engine_against_another_and_not_noise() -> None:
+def test_ttft_fit_reads_one_engine_against_the_fleets_fastest_and_not_noise() -> None:
     """What every engine's TTFT holds beside its prefill (the HTTP path, the host) cancels in
-    the comparison; a gap within two standard errors of the difference is read as none."""
-    from kvgate.cost_model import TtftFit, slower_than
+    the comparison; the engines within noise of the fastest are the reference, and a gap
+    within two standard errors of the difference reads as none."""
+    from kvgate.cost_model import TtftFit, slower_than, ttft_reference
 
-    fast, slow, twin = TtftFit(), TtftFit(), TtftFit()
-    assert fast.se2() == math.inf and slower_than(slow, fast, 2.0) == 0.0  # nothing seen yet
+    fast, slow, twin, few = TtftFit(), TtftFit(), TtftFit(), TtftFit()
+    assert fast.se2() == math.inf and ttft_reference([], 2.0) is None  # nothing seen yet
     noise = (0.9, 1.1, 1.0, 1.2, 0.8) * 8
-    for n in noise:  # all three 3x their prediction (a common delay); slow 2x more
+    for n in noise:  # all 3x their prediction (a common delay); slow 2x more
         assert fast.observe(100.0, 300.0 * n)
         slow.observe(100.0, 600.0 * n)
         twin.observe(100.0, 300.0 * n * (1.05 if n > 1 else 0.95))
     assert fast.log == pytest.approx(math.log(3.0), abs=0.05)
-    gap = slower_than(slow, fast, 2.0)
+    for _ in range(2):  # two samples that happen to agree: their own variance is 0
+        few.observe(100.0, 400.0)
+    ref = ttft_reference([fast, slow, twin, few], 2.0)
+    assert ref is not None and ref.log == pytest.approx(math.log(3.0), abs=0.05)  # fast, twin
+    assert ref.variance > 0.0 and ref.sd == 2.0  # pooled over the fleet; 4 engines: 2 sd
+    gap = slower_than(slow, ref)
     assert math.log(1.6) < gap < math.log(2.0)  # 2x, less two standard errors
-    assert slower_than(slow, fast, 0.0) == pytest.approx(math.log(2.0), abs=0.02)
-    assert slower_than(twin, fast, 2.0) == 0.0  # a noise-sized gap: none
-    assert slower_than(fast, slow, 2.0) == 0.0 and slower_than(slow, slow, 2.0) == 0.0
+    blunt = dataclasses.replace(ref, sd=0.0)
+    assert slower_than(slow, blunt) == pytest.approx(math.log(2.0), abs=0.05)
+    assert slower_than(twin, ref) == 0.0 and slower_than(fast, ref) == 0.0
+    # 1.33x on two samples: the fleet's variance, not their own, bounds what they say
+    assert 0.0 <= slower_than(few, ref) < 0.5 * math.log(4.0 / 3.0)
+    assert slower_than(few, blunt) == pytest.approx(math.log(4.0 / 3.0), abs=0.05)
     before = (fast.log, fast.evidence)
     for bad in ((0.0, 1.0), (1.0, math.nan), (100.0, 200.0, 0.0)):
         assert not fast.observe(*bad)

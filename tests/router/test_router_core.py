@@ -1522,10 +1522,14 @@ def test_the_gateways_first_token_stands_in_for_an_engine_without_request_events
     assert _view(g, 2.0)[1].prefill_scale == 1.0
 
 
-def _bridged_fleet_answers(f: Fleet, truth: dict[str, float], n: int, delay: float) -> None:
+def _bridged_fleet_answers(
+    f: Fleet, truth: dict[str, float], n: int, delay: float, noise: float = 0.0
+) -> None:
     """``n`` requests, each answered (the gateway's TTFT) at ``delay`` x its engine's ``truth``
-    x the router's prediction on the engine's profile."""
+    x the router's prediction on the engine's profile (x a log-normal factor of sigma
+    ``noise``, seeded)."""
     cl = f.router.cluster
+    rng = random.Random(7)
     for i in range(n):
         now = 1.0 + i
         for e in truth:
@@ -1534,7 +1538,7 @@ def _bridged_fleet_answers(f: Fleet, truth: dict[str, float], n: int, delay: flo
         rec = cl._inflight[f"q{i}"]
         assert rec.ttft_pred_ms > 0 and 0 < rec.ttft_weight <= 1
         on_profile = rec.ttft_pred_ms / math.exp(rec.ttft_factor_log)
-        jitter = 1.0 + 0.05 * ((i % 3) - 1)
+        jitter = (1.0 + 0.05 * ((i % 3) - 1)) * math.exp(rng.gauss(0.0, noise))
         ttft = on_profile * truth[d.engine_id] * delay * jitter
         assert f.router.first_token(f"q{i}", d.engine_id, ttft, now + ttft / 1e3)
         f.router.report(f"q{i}", d.engine_id, "ok", now + 0.5)
@@ -1564,6 +1568,21 @@ def test_behind_the_bridge_an_engine_slower_than_the_fleet_is_read_from_the_gate
     h.send("e0", RequestStarted("x"), 0.5)
     d = h.route("q", b"z" * 8_000, 1.0, exclude=frozenset({"e1"}))
     assert d.engine_id == "e0" and h.router.cluster._inflight["q"].ttft_pred_ms == 0.0
+
+
+def test_behind_the_bridge_many_identical_engines_read_as_identical() -> None:
+    """Of many identical engines one reads fastest by chance: against it alone, each with its
+    own few samples' variance, the rest read slower by their noise (so did 2 of these 32). The
+    reference is every engine within noise of the fastest, a sample's variance is the fleet's,
+    and a big fleet's margin is wider: none of 32 identical engines with noisy TTFTs (a few
+    samples each) is read as slower."""
+    n = 32
+    f = Fleet(n=n)
+    _bridged_fleet_answers(f, {f"e{i}": 1.0 for i in range(n)}, 200, delay=2.0, noise=0.3)
+    cl = f.router.cluster
+    fitted = [e for e in cl.engines.values() if e.ttft_fit.evidence >= 2.0]
+    assert len(fitted) > n // 2
+    assert max(e.speed.prefill for e in cl.engines.values()) == 1.0
 
 
 def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -> None:
