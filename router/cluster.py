@@ -241,7 +241,7 @@ class Cluster(ClusterState):
         (:func:`kvgate.cost_model.ttft_reference`, :func:`~kvgate.cost_model.slower_than`),
         which is taken to be as fast as its profile. Behind the bridge on arrival-order
         engines, with half of four engines 2x slower than they announced, tool_use at twice the
-        knee went from 75.5% to 98.5% of its SLOs (docs/BENCHMARKS.md). The reference is a
+        knee went from 75.5% to 98.8% of its SLOs (docs/BENCHMARKS.md). The reference is a
         fleet-wide figure: re-read, with every engine's factor, once in as many first tokens
         as there are such engines (and whenever an engine reads faster than it); between
         times only the engine observed is re-read."""
