@@ -577,26 +577,28 @@ class TtftReference:
 
 
 def ttft_reference(fits: Sequence[TtftFit], sd: float) -> TtftReference | None:
-    """The reference the engines of ``fits`` are read against (None: no fits). Not the single
-    fastest: of many identical engines one reads fastest by chance, and the rest would read
-    slower than it by their noise (on 64 identical engines up to 1.8x). The engines within
-    ``sd`` standard errors of the fastest are as fast as it, and their evidence-weighted mean is
-    the reference; the variance of a sample is pooled over the fleet (an engine with two or
-    three samples says little of its own). ``sd`` grows with the fleet, to ``sqrt(2 ln n)`` of
-    ``n`` engines (about the largest of ``n`` standard normal draws): of many engines some
+    """The reference the engines of ``fits`` are read against (None: none with evidence). Not
+    the single fastest: of many identical engines one reads fastest by chance, and the rest
+    would read slower than it by their noise (on 64 identical engines up to 1.8x). The engines
+    within ``sd`` standard errors of the fastest are as fast as it, and their evidence-weighted
+    mean is the reference; the variance of a sample is pooled over the fleet (an engine with two
+    or three samples says little of its own). ``sd`` grows with the fleet, to ``sqrt(2 ln n)``
+    of ``n`` engines (about the largest of ``n`` standard normal draws): of many engines some
     stray ``sd`` standard errors by chance alone."""
+    fits = [f for f in fits if f.evidence > 0]
     if not fits:
         return None
     sd = max(sd, math.sqrt(2.0 * math.log(len(fits))))
-    weight = sum(f.evidence for f in fits)
-    pooled = sum(f.variance * f.evidence for f in fits) / weight if weight > 0 else 0.0
+    pooled = sum((f.variance * f.evidence for f in fits), 0.0) / sum(
+        (f.evidence for f in fits), 0.0
+    )
     fastest = min(fits, key=_fit_log)
     bound = fastest.se2(pooled)
     peers = [f for f in fits if f.log - fastest.log <= sd * math.sqrt(f.se2(pooled) + bound)]
-    total = sum(f.evidence for f in peers)
-    log = sum(f.log * f.evidence for f in peers) / total
+    total = sum((f.evidence for f in peers), 0.0)
+    log = sum((f.log * f.evidence for f in peers), 0.0) / total
     # the mean of the peers' means: its variance, each weighted by its evidence
-    se2 = sum(f.se2(pooled) * f.evidence**2 for f in peers) / total**2
+    se2 = sum((f.se2(pooled) * f.evidence**2 for f in peers), 0.0) / total**2
     return TtftReference(log, se2, pooled, sd)
 
 

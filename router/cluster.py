@@ -243,8 +243,8 @@ class Cluster(ClusterState):
         engines, with half of four engines 2x slower than they announced, tool_use at twice the
         knee went from 75.5% to 98.8% of its SLOs (docs/BENCHMARKS.md). The reference is a
         fleet-wide figure: re-read, with every engine's factor, once in as many first tokens
-        as there are such engines (and whenever an engine reads faster than it); between
-        times only the engine observed is re-read."""
+        as there are engines (an engine that reads faster than it reads as fast, at once);
+        between times only the engine observed is re-read."""
         fit = eng.ttft_fit
         if not fit.observe(
             rec.ttft_pred_ms, ttft_ms * math.exp(rec.ttft_factor_log), rec.ttft_weight
@@ -254,7 +254,7 @@ class Cluster(ClusterState):
             return
         self._ttft_reads += 1
         ref = self._ttft_ref
-        if ref is None or fit.log < ref.log or self._ttft_reads >= len(self.engines):
+        if ref is None or self._ttft_reads >= len(self.engines):
             fitted = [e for e in self.engines.values() if self._ttft_fitted(e)]
             self._ttft_ref = ref = ttft_reference([e.ttft_fit for e in fitted], TTFT_FIT_SD)
             self._ttft_reads = 0

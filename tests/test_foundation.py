@@ -206,7 +206,7 @@ def test_ttft_fit_reads_one_engine_against_the_fleets_fastest_and_not_noise() ->
     from kvgate.cost_model import TtftFit, slower_than, ttft_reference
 
     fast, slow, twin, few = TtftFit(), TtftFit(), TtftFit(), TtftFit()
-    assert fast.se2() == math.inf and ttft_reference([], 2.0) is None  # nothing seen yet
+    assert fast.se2() == math.inf and ttft_reference([fast], 2.0) is None  # nothing seen yet
     noise = (0.9, 1.1, 1.0, 1.2, 0.8) * 8
     for n in noise:  # all 3x their prediction (a common delay); slow 2x more
         assert fast.observe(100.0, 300.0 * n)
