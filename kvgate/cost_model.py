@@ -447,6 +447,11 @@ class SpeedFit:
         return math.exp(self._prefill_log)
 
     @property
+    def prefill_log(self) -> float:
+        """The log of :attr:`prefill`."""
+        return self._prefill_log
+
+    @property
     def decode(self) -> float:
         """Multiply the profile's decode step times by this."""
         return math.exp(self._decode_log)

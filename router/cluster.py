@@ -467,7 +467,8 @@ class Cluster(ClusterState):
             for v in matched.values():
                 if v >= mine:
                     holders += 1
-        prefill = p.prefill_ms(missed, cached) + (p.prefill_ms(cached) / holders if cached else 0)
+        own_ms = p.prefill_ms(missed, cached)  # (its own prefill on the profile)
+        prefill = own_ms + (p.prefill_ms(cached) / holders if cached else 0)
         prefill *= eng.speed.prefill
         entry = [now, engine_id, group, prefill, req.max_tokens, key_len]
         self._load.append(entry)
@@ -518,13 +519,13 @@ class Cluster(ClusterState):
             ctx_tokens=ctx_tokens,
             deadline=deadline,
             tpot_slo_ms=req.slo.tpot_ms,
-            idle_prefill_ms=p.prefill_ms(missed, cached) if idle else 0.0,
+            idle_prefill_ms=own_ms if idle else 0.0,
             matched_bytes=mine,
             cached_tokens=cached,
         )
         if c.fit_speed and c.fit_relative_ttft and not (eng.reports_requests or c.fit_gateway_ttft):
-            self._predict_ttft(eng, rec, p.prefill_ms(missed, cached))
-        own_s = p.prefill_ms(missed, cached) * eng.speed.prefill / 1e3
+            self._predict_ttft(eng, rec, own_ms)
+        own_s = own_ms * eng.speed.prefill / 1e3
         # an engine that sends no request events (a plain vLLM behind the bridge) never says
         # when a prefill ends: assume it ends when the work queued there would be done
         done = math.inf
@@ -566,7 +567,7 @@ class Cluster(ClusterState):
         ev = self.engine_view(eng)
         step = decode_step_ms(ev)
         rec.ttft_pred_ms = queued * eng.speed.prefill / prefill_share(ev, step) + step
-        rec.ttft_factor_log = math.log(eng.speed.prefill)
+        rec.ttft_factor_log = eng.speed.prefill_log
         rec.ttft_weight = min(own_ms / queued, 1.0)
 
     def release(self, request_id: str, how: str, now: float) -> bool:
