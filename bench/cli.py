@@ -417,7 +417,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="take each combo's knee from an earlier matrix JSON (skips calibration)",
     )
-    p.add_argument("--out", type=Path, default=RESULTS / "matrix.json")
+    p.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: judge each cell's mean over these matrix documents (draws of the "
+        "workloads: --workload-seed), print the verdicts, and save the pooled document to "
+        "--out if given",
+    )
+    p.add_argument("--out", type=Path, default=None, help="default: results/matrix.json")
     p.add_argument("--plots", type=Path, default=None, help="heatmap folder (default: beside out)")
     p.add_argument("--no-plots", action="store_true")
 
@@ -572,6 +582,10 @@ def _run_fidelity(args: argparse.Namespace) -> int:
 def _run_matrix(args: argparse.Namespace) -> int:
     from bench.matrix import MatrixSpec, draw_heatmaps, format_verdict, quick_spec, run_matrix
 
+    if args.pool:
+        return _pool_matrix(args)
+    if args.out is None:
+        args.out = RESULTS / "matrix.json"
     changes: dict = {}
     for name in ("workloads", "policies", "kinds", "rates"):
         if getattr(args, name) is not None:
@@ -627,6 +641,26 @@ def _run_matrix(args: argparse.Namespace) -> int:
         for path in images:
             print(f"wrote {path}")
     print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")
+    return 0
+
+
+def _pool_matrix(args: argparse.Namespace) -> int:
+    """``kvgate bench matrix --pool A.json B.json ...``: the verdicts on each cell's mean."""
+    from bench.matrix import draw_heatmaps, format_verdict, pool, save
+
+    try:
+        doc = pool([orjson.loads(path.read_bytes()) for path in args.pool])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"kvgate bench matrix --pool: {exc}", file=sys.stderr)
+        return 2
+    print(f"pooled {len(args.pool)} documents (workload seeds {doc['spec']['workload_seed']})")
+    print(format_verdict(doc["verdict"]))
+    if args.out is not None:
+        save(doc, args.out)
+        if not args.no_plots:
+            for path in draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem):
+                print(f"wrote {path}")
+        print(f"wrote {args.out}")
     return 0
 
 

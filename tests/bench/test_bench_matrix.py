@@ -17,6 +17,7 @@ from bench.matrix import (
     format_verdict,
     heatmap_grid,
     load_knees,
+    pool,
     profile_digest,
     run_matrix,
     verdict,
@@ -221,7 +222,7 @@ def test_verdict_judges_cells_geomeans_spread_and_seeds() -> None:
             _run("round_robin", 0.80, 3000.0),
         ],
     }
-    v = verdict(SLICE, _doc([good]))
+    v = verdict(_doc([good]))
     assert v["p99_all_vs_cache_aware"] == {
         "subject_only": 0, "other_only": 0, "both": 1, "both_geomean_gain": 1.5, "neither": 0,
     }  # fmt: skip
@@ -241,7 +242,7 @@ def test_verdict_judges_cells_geomeans_spread_and_seeds() -> None:
             _run("cache_aware", 0.92, 1000.0, seed=1),
         ],
     }
-    v = verdict(SLICE, _doc([bad]))
+    v = verdict(_doc([bad]))
     assert not v["passed"]["every_cell"] and len(v["cells_failed"]) == 1
     assert "-2.0 pt" in v["cells_failed"][0]
     assert not v["passed"]["geomean_vs_cache_aware"]
@@ -264,12 +265,12 @@ def test_a_load_spread_is_paid_by_hits_judged_on_the_p99_of_all_requests() -> No
             ],
         }
 
-    v = verdict(SLICE, _doc([cell(None, None)]))  # neither answers 99%
+    v = verdict(_doc([cell(None, None)]))  # neither answers 99%
     assert v["passed"]["load_spread"]
     assert len(v["load_spread_failed_by_served_p99"]) == 1  # served: 6000 > 5000
-    v = verdict(SLICE, _doc([cell(None, 5000.0)]))  # round robin answers 99%, e2 does not
+    v = verdict(_doc([cell(None, 5000.0)]))  # round robin answers 99%, e2 does not
     assert not v["passed"]["load_spread"]
-    v = verdict(SLICE, _doc([cell(4000.0, 5000.0)]))
+    v = verdict(_doc([cell(4000.0, 5000.0)]))
     assert v["passed"]["load_spread"]
 
 
@@ -310,7 +311,7 @@ def test_cells_are_judged_on_the_p99_of_all_requests() -> None:
             _run("round_robin", 0.85, 1000.0, p99_all=None),
         ],
     }
-    v = verdict(SLICE, _doc([serves_all]))
+    v = verdict(_doc([serves_all]))
     assert v["passed"]["every_cell"], v
     assert len(v["cells_p99_of_served_over_1_1x"]) == 1  # still on the record
     # the geomean against round robin reads the p99 of served requests (1000 / 1900); the
@@ -324,7 +325,7 @@ def test_cells_are_judged_on_the_p99_of_all_requests() -> None:
         "rate": 1.0,
         "runs": [_run("e2", 0.99, 900.0, p99_all=None), _run("round_robin", 0.99, 1000.0)],
     }
-    v = verdict(SLICE, _doc([refuses]))
+    v = verdict(_doc([refuses]))
     assert not v["passed"]["every_cell"]
     assert "none (over 1% unanswered) vs round_robin's" in v["cells_failed"][0]
     nobody = {
@@ -334,10 +335,10 @@ def test_cells_are_judged_on_the_p99_of_all_requests() -> None:
             _run("round_robin", 0.79, 1000.0, p99_all=None),
         ],
     }
-    v = verdict(SLICE, _doc([nobody]))
+    v = verdict(_doc([nobody]))
     assert v["passed"]["every_cell"] and v["cells_without_p99"] == ["w/4/homo/x2"]
     nobody["runs"][0]["attainment"] = 0.75
-    v = verdict(SLICE, _doc([nobody]))
+    v = verdict(_doc([nobody]))
     assert v["cells_failed"] == [
         "w/4/homo/x2: attainment -4.0 pt vs round_robin, p99 of all requests none for any policy"
     ]
@@ -364,3 +365,56 @@ def test_a_slow_broker_delays_every_engine_event_to_the_router() -> None:
     assert (link.link_delay_s, link.link_jitter_s) == (0.5, 0.25)
     with pytest.raises(ValueError, match="link_delay_s"):
         MatrixSpec(link_delay_s=-0.1)
+
+
+def _matrix_doc(cells: list[dict], workload_seed: int) -> dict:
+    combos = [{"workload": "w", "fleet": 4, "kind": "homo", "knee": {}, "cells": cells}]
+    return {"kind": "kvgate-matrix", "spec": {"workload_seed": workload_seed}, "combos": combos}
+
+
+def test_pooled_draws_judge_each_cells_mean() -> None:
+    """Over draws of the workloads a cell is judged on each policy's mean: e2 2 points behind
+    on one draw and 1 ahead on the other is half a point behind, which passes; a p99 of all
+    requests missing on any draw is missing in the pool; a cell one draw lacks is left out."""
+
+    def cell(rate: float, e2_att: float, ca_att: float, p99_all: float | None = 900.0) -> dict:
+        return {
+            "rate": rate,
+            "scale": rate,
+            "runs": [
+                {
+                    **_run("e2", e2_att, 1000.0, p99_all=p99_all),
+                    "requests": 600,
+                    "reasons": {"x": 1},
+                },
+                {**_run("cache_aware", ca_att, 1000.0, p99_all=p99_all), "requests": 600},
+            ],
+        }
+
+    first = _matrix_doc([cell(1.0, 0.80, 0.82), cell(2.0, 0.70, 0.70)], 0)
+    second = _matrix_doc([cell(1.0, 0.83, 0.82, p99_all=None)], 1)
+    assert not verdict(first["combos"])["passed"]["every_cell"]  # -2 points on one draw
+    doc = pool([first, second])
+    assert doc["spec"]["workload_seed"] == [0, 1]
+    [entry] = doc["combos"]
+    [only] = entry["cells"]  # x2 is on the first draw only
+    e2 = next(r for r in only["runs"] if r["policy"] == "e2")
+    assert e2["attainment"] == pytest.approx(0.815)
+    assert e2["ttft_p99_ms"] == pytest.approx(1000.0)
+    assert e2["ttft_p99_all_ms"] is None  # over 1% unanswered on the second draw
+    assert e2["requests"] == 1200 and e2["reasons"] == {"x": 2}
+    # -0.5 points on the mean, and no p99 of all requests for either: attainment judges
+    assert doc["verdict"]["passed"]["every_cell"]
+    assert doc["verdict"]["cells_without_p99"] == ["w/4/homo/x1"]
+    with pytest.raises(ValueError):
+        pool([])
+    with pytest.raises(ValueError):
+        pool([{"kind": "other"}])
+
+
+def test_seed_spread_is_judged_without_other_policies() -> None:
+    """A rerun of e2 alone over several router seeds still measures its spread."""
+    alone = {"rate": 1.0, "runs": [_run("e2", 0.90, 1000.0), _run("e2", 0.93, 1000.0, seed=1)]}
+    v = verdict(_doc([alone]))
+    assert v["cells"] == 0 and v["seeded_cells"] == 1
+    assert not v["passed"]["seeds"]
