@@ -9,7 +9,8 @@ Verbs:
 * ``kvgate bench fidelity``: the same trace slice live (real engines + gateway on loopback) and
   simulated; p50/p99 TTFT error; one JSON.
 * ``kvgate bench matrix [--quick] --jobs 2``: every policy over workloads x load x fleets (the
-  judge of routing quality); a table per combo, JSON, heatmaps and issue 17's verdicts.
+  judge of routing quality); a table per combo, JSON, heatmaps and issue 17's verdicts;
+  ``--pool A.json B.json`` judges each cell's mean over earlier runs (draws of the workloads).
 * ``kvgate bench report --inputs A.json B.json --out report.md``: Markdown tables and PNG plots.
 * ``kvgate bench workloads``: list the workloads and describe one.
 """

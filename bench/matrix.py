@@ -17,7 +17,8 @@ issue 17's: in every cell e2's attainment at least the best other's minus 1 poin
 TTFT at most 1.1x the best; over the matrix a geometric-mean p99 TTFT at least 20% below
 cache_aware's, and at least 2x below round robin's where round robin misses 90%; load max/mean
 at most 1.3 unless a hit-rate gain pays for it; attainment within 1 point across the router's
-random seeds (``seeds``: the same requests, other tie-breaks and link jitter).
+random seeds (``seeds``: the same requests, other tie-breaks and link jitter). :func:`pool`
+judges each cell's mean over several documents, such as draws of the workloads.
 
 The cell check takes the p99 of *all* requests, a refused one (shed by the router, rejected by its
 engine) counted as never answered. The p99 of served requests alone rewards refusing: a policy
