@@ -418,3 +418,31 @@ def test_seed_spread_is_judged_without_other_policies() -> None:
     v = verdict(_doc([alone]))
     assert v["cells"] == 0 and v["seeded_cells"] == 1
     assert not v["passed"]["seeds"]
+
+
+def test_pool_command_prints_verdicts_and_refuses_bad_documents(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvgate bench matrix --pool``: the pooled verdicts printed and saved; a file that is not
+    a matrix document is refused with a message and exit status 2, nothing written."""
+    from kvgate.cli import main
+
+    good = {
+        "rate": 1.0,
+        "scale": 1.0,
+        "runs": [_run("e2", 0.9, 900.0), _run("cache_aware", 0.9, 1000.0)],
+    }
+    a, b, bad = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bad.json"
+    a.write_bytes(orjson.dumps(_matrix_doc([good], 0)))
+    b.write_bytes(orjson.dumps(_matrix_doc([good], 1)))
+    out = tmp_path / "pooled.json"
+    assert main(["bench", "matrix", "--pool", str(a), str(b), "--out", str(out), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "pooled 2 documents (workload seeds [0, 1])" in printed
+    assert "verdict for e2 over 1 cells" in printed
+    assert orjson.loads(out.read_bytes())["pooled"] == 2
+    bad.write_text("{not json")
+    out.unlink()
+    assert main(["bench", "matrix", "--pool", str(a), str(bad), "--out", str(out)]) == 2
+    assert "kvgate bench matrix --pool:" in capsys.readouterr().err
+    assert not out.exists()
