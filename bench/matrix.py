@@ -637,12 +637,10 @@ def _pooled_run(runs: Sequence[dict]) -> dict:
     run with no p99 of all requests left over 1% unanswered, and so does the pool); counts
     summed."""
     out = dict(runs[0])
-    for name in _MEANS:
-        vals = [r.get(name) for r in runs]
-        out[name] = round(sum(vals) / len(vals), 6) if None not in vals else None
-    for name in _LATENCIES:
-        vals = [r.get(name) for r in runs]
-        out[name] = round(sum(vals) / len(vals), 3) if None not in vals else None
+    for names, digits in ((_MEANS, 6), (_LATENCIES, 3)):
+        for name in names:
+            vals = [r.get(name) for r in runs]
+            out[name] = round(sum(vals) / len(vals), digits) if None not in vals else None
     for name in _SUMS:
         out[name] = round(sum(r.get(name) or 0 for r in runs), 3)
     reasons: Counter[str] = Counter()
