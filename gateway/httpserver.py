@@ -729,7 +729,11 @@ class _ServerConn(asyncio.Protocol):
     # -- answering --
 
     def will_keep_alive(self) -> bool:
-        return not self._close_after and not self.server.closing
+        """May the answer being sent leave the connection open? Not while shutting down, nor
+        once reading has stopped (``_close_after``) with nothing queued behind it: the
+        answers queued behind it (a refusal last among them) still go out on this
+        connection, in order."""
+        return not self.server.closing and (not self._close_after or bool(self._queue))
 
     async def _respond(self, req: Request) -> None:
         server = self.server

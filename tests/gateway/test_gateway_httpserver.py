@@ -273,6 +273,29 @@ async def _errors_are_json_and_close() -> None:
         assert responses(await exchange(port, req("GET", "/hello", extra=b"Connection: close\r\n")))
 
 
+async def _refusal_behind_a_request_in_flight() -> None:
+    """A bad request pipelined behind good ones gets its error after their answers (which
+    keep the connection open for it), then the connection closes."""
+    async with server(max_body_bytes=100) as (app, _srv, port):
+        for bad, status in (
+            (b"GARBAGE\r\n\r\n", 400),
+            (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n", 413),
+        ):
+            out = responses(await exchange(port, req("POST", "/echo", b"first") + bad))
+            assert [s for s, _, _ in out] == [200, status], (bad, out)
+            assert out[0][2] == b"first" and "connection" not in out[0][1]
+            assert out[1][1]["connection"] == "close"
+        # Behind a stream still open when the bad request arrives.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(req("GET", "/stream") + b"GARBAGE\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"data: 1\n\n\r\n"), 5)
+        app.release.set()
+        rest = await asyncio.wait_for(reader.read(-1), 5)
+        writer.close()
+        assert rest.startswith(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        assert [s for s, _, _ in responses(rest[len(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n") :])] == [400]
+
+
 async def _pattern_routes_decode_parameters() -> None:
     async with server() as (_app, _srv, port):
         raw = await exchange(port, req("POST", "/items/a%20b/on", extra=b"Connection: close\r\n"))
@@ -489,6 +512,7 @@ SCENARIOS: dict[str, Callable[[], Awaitable[None]]] = {
         _keep_alive_pipelining_and_framings,
         _http10_head_and_continue,
         _errors_are_json_and_close,
+        _refusal_behind_a_request_in_flight,
         _pattern_routes_decode_parameters,
         _streams_disconnects_and_idle_connections,
         _graceful_shutdown,
