@@ -158,7 +158,10 @@ def parse_request_head(head: bytes) -> Request:
     target = m.group(1).decode("latin-1")
     if not target.startswith("/"):
         if target.startswith(("http://", "https://")):  # absolute form: keep the path
-            parts = urlsplit(target)
+            try:
+                parts = urlsplit(target)
+            except ValueError:  # e.g. an unclosed IPv6 bracket: "http://[/health"
+                raise HttpError(400, f"bad request target {target[:100]!r}") from None
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         elif not (target == "*" and method == "OPTIONS"):
             raise HttpError(400, f"bad request target {target[:100]!r}")

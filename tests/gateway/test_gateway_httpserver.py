@@ -177,6 +177,8 @@ def test_parse_request_head_and_framing() -> None:
         (b"PRI * HTTP/2.0", 505),
         (b"GET  / HTTP/1.1", 400),
         (b"GET nopath HTTP/1.1", 400),
+        (b"GET http://[/health HTTP/1.1", 400),  # urlsplit raises ValueError on it
+        (b"GET https://a]b/x HTTP/1.1", 400),
         (b"GET / HTTP/1.1\r\nBad Name: x", 400),
         (b"GET / HTTP/1.1\r\n folded", 400),
         (b"GET / HTTP/1.1\r\nX: a\x01b", 400),
@@ -258,6 +260,7 @@ async def _errors_are_json_and_close() -> None:
             (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
             (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 501),
             (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),
+            (b"GET http://[/hello HTTP/1.1\r\nHost: x\r\n\r\n", 400),
             (req("GET", "/nowhere", extra=b"Connection: close\r\n"), 404),
             (req("DELETE", "/hello", extra=b"Connection: close\r\n"), 405),
             (req("GET", "/boom", extra=b"Connection: close\r\n"), 500),
@@ -279,6 +282,7 @@ async def _refusal_behind_a_request_in_flight() -> None:
     async with server(max_body_bytes=100) as (app, _srv, port):
         for bad, status in (
             (b"GARBAGE\r\n\r\n", 400),
+            (b"GET http://[/hello HTTP/1.1\r\nHost: x\r\n\r\n", 400),
             (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n", 413),
         ):
             out = responses(await exchange(port, req("POST", "/echo", b"first") + bad))
