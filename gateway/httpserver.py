@@ -7,8 +7,9 @@ layers, a task and a payload writer per request) was a third of the gateway's CP
 size limit, hand them to a coroutine, write whole or chunked answers. What this server does:
 
 * **Requests**: the head parsed once (strict: request line, header syntax, no obsolete line
-  folding; over ``max_head_bytes`` -> 431), bodies framed by ``Content-Length`` or
-  ``Transfer-Encoding: chunked`` (both at once -> 400, another transfer coding -> 501), read
+  folding; a bare LF ends a line as CRLF does; over ``max_head_bytes`` -> 431), bodies framed
+  by ``Content-Length`` or ``Transfer-Encoding: chunked`` (both at once -> 400, another
+  transfer coding -> 501), read
   whole before the handler runs, over ``max_body_bytes`` -> 413 (``Expect: 100-continue`` is
   answered only when the declared size fits). Keep-alive (HTTP/1.1 by default, HTTP/1.0 on
   request) and pipelining (answered in order, one at a time).
@@ -140,9 +141,25 @@ class Request:
         self._conn: _ServerConn | None = None
 
 
+def head_end(buf: bytes | bytearray, start: int = 0) -> tuple[int, int]:
+    """Where the head in ``buf`` ends: (its length, where the body starts), or (-1, -1) while
+    its blank line has not arrived. A line may end in a bare LF (RFC 9112 section 2.2 lets a
+    server take one for CRLF), so the blank line is the first LF followed by CRLF or LF;
+    ``start``: where to look from (the head's earlier bytes were looked at already)."""
+    crlf = buf.find(b"\n\r\n", start)
+    lf = buf.find(b"\n\n", start, crlf + 2 if crlf >= 0 else len(buf))
+    if lf >= 0:
+        return (lf - 1 if lf and buf[lf - 1] == 13 else lf), lf + 2
+    if crlf >= 0:
+        return (crlf - 1 if crlf and buf[crlf - 1] == 13 else crlf), crlf + 3
+    return -1, -1
+
+
 def parse_request_head(head: bytes) -> Request:
     """A request head (without its final blank line) -> :class:`Request`; HttpError if
-    malformed. Pure."""
+    malformed. Lines may end in CRLF or a bare LF (read as CRLF). Pure."""
+    if head.count(b"\n") != head.count(b"\r\n"):  # bare LFs: CRLF from here on
+        head = head.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
     eol = head.find(b"\r\n")
     line, block = (head, b"") if eol < 0 else (head[:eol], head[eol + 2 :] + b"\r\n")
     m = _REQUEST_LINE.fullmatch(line)
@@ -578,7 +595,7 @@ class _ServerConn(asyncio.Protocol):
         acc = self._acc
         assert acc is not None
         acc += data
-        end = acc.find(b"\r\n\r\n", self._scan)
+        end, _ = head_end(acc, self._scan)
         if end < 0:
             if len(acc) > self.server.max_head_bytes:
                 self._acc = None
@@ -595,10 +612,10 @@ class _ServerConn(asyncio.Protocol):
         server = self.server
         while self._buf and not self._close_after and self._pending is None:
             buf = self._buf
-            if buf[:2] == b"\r\n":  # empty lines before a request line are ignored (RFC 9112)
-                self._buf = buf.lstrip(b"\r\n")
+            if buf.startswith((b"\r\n", b"\n")):  # empty lines before a request are ignored
+                self._buf = buf.lstrip(b"\r\n")  # (RFC 9112)
                 continue
-            end = buf.find(b"\r\n\r\n")
+            end, body_at = head_end(buf)
             if end < 0 or end > server.max_head_bytes:
                 if len(buf) > server.max_head_bytes:
                     self._refuse(HttpError(431, "request head too large"))
@@ -614,7 +631,7 @@ class _ServerConn(asyncio.Protocol):
             except HttpError as exc:
                 self._refuse(exc)
                 return
-            rest = buf[end + 4 :]
+            rest = buf[body_at:]
             self._buf = b""
             if chunked:
                 self._since = server.loop.time()

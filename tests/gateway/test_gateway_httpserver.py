@@ -24,6 +24,7 @@ from gateway.httpserver import (
     Routes,
     StreamResponse,
     body_framing,
+    head_end,
     json_response,
     parse_request_head,
 )
@@ -157,6 +158,14 @@ def test_parse_request_head_and_framing() -> None:
     assert parse_request_head(b"GET / HTTP/1.0\r\nConnection: keep-alive").keep_alive
     assert not parse_request_head(b"GET / HTTP/1.1\r\nConnection: close").keep_alive
     assert parse_request_head(b"GET http://h:1/p?q HTTP/1.1").path == "/p"
+    # bare LF line ends (RFC 9112 section 2.2), alone or mixed with CRLF
+    lf = parse_request_head(b"GET /p HTTP/1.1\nHost: a\r\nX-Tag: v")
+    assert (lf.path, lf.fields) == ("/p", [(b"host", b"a"), (b"x-tag", b"v")])
+    assert head_end(b"GET / HTTP/1.1\r\nHost: a\r\n\r\nbody") == (23, 27)
+    assert head_end(b"GET / HTTP/1.1\nHost: a\n\nbody") == (22, 24)
+    assert head_end(b"GET / HTTP/1.1\nHost: a\r\n\nbody") == (22, 25)
+    assert head_end(b"GET / HTTP/1.1\nA: \r\n\r\n\n\n") == (18, 22)  # the first blank line
+    assert head_end(b"GET / HTTP/1.1\r\nHost: a\r\n") == (-1, -1)
     assert body_framing(parse_request_head(b"POST / HTTP/1.1\r\nContent-Length: 5")) == (5, False)
     assert body_framing(parse_request_head(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked")) == (
         None,
@@ -274,6 +283,28 @@ async def _errors_are_json_and_close() -> None:
                 assert out[0][1]["allow"] == "GET"
         # After all that, the server still serves.
         assert responses(await exchange(port, req("GET", "/hello", extra=b"Connection: close\r\n")))
+
+
+async def _bare_lf_line_ends() -> None:
+    """A head whose lines end in a bare LF is read at once (not left waiting for a CRLF blank
+    line until the head deadline), a body and a pipelined request after it included."""
+    async with server() as (_app, _srv, port):
+        data = (
+            b"POST /echo HTTP/1.1\nHost: x\nX-Tag: lf\nContent-Length: 3\n\nabc"
+            + b"GET /hello HTTP/1.1\nHost: x\nConnection: close\n\n"
+        )
+        for sent in (data, data.replace(b"Tag: lf\n", b"Tag: lf\r\n")):
+            out = responses(await exchange(port, sent))
+            assert [(s, b) for s, _, b in out] == [(200, b"abc"), (200, b'{"hello": "world"}')]
+            assert out[0][1]["x-got"] == "lf"
+        # one byte at a time: the blank line is found across reads
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for i in range(len(data)):
+            writer.write(data[i : i + 1])
+            await writer.drain()
+        got = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert [s for s, _, _ in responses(got)] == [200, 200]
 
 
 async def _refusal_behind_a_request_in_flight() -> None:
@@ -517,6 +548,7 @@ SCENARIOS: dict[str, Callable[[], Awaitable[None]]] = {
         _http10_head_and_continue,
         _errors_are_json_and_close,
         _refusal_behind_a_request_in_flight,
+        _bare_lf_line_ends,
         _pattern_routes_decode_parameters,
         _streams_disconnects_and_idle_connections,
         _graceful_shutdown,
