@@ -935,6 +935,7 @@ class Gateway:
                     headers={REQUEST_ID: rid},
                 )
             return None
+        relaying = False  # _relay_stream accounts for the stream's end itself, once
         try:
             status = access.upstream_status = upstream.status
             if pd is not None and status < 500:
@@ -953,6 +954,7 @@ class Gateway:
                 return None
             out_headers = self._response_headers(upstream, rid_b, decision, debug)
             if upstream.is_event_stream:
+                relaying = True
                 return await self._relay_stream(
                     request,
                     route,
@@ -966,7 +968,8 @@ class Gateway:
                 )
             data = await upstream.read()
         except asyncio.CancelledError:
-            self._client_gone(engine_id, rid)
+            if not relaying:
+                self._client_gone(engine_id, rid)
             raise
         except UpstreamError as exc:
             access.error = "read"

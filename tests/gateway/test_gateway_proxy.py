@@ -90,6 +90,30 @@ async def test_client_disconnect_cancels_upstream() -> None:
         hold.set()
 
 
+async def test_a_client_gone_mid_stream_is_counted_once() -> None:
+    """One disconnect: one ``cancelled`` report, one count, one in-flight slot freed (the
+    other stream's slot on the same engine stays counted)."""
+    hold = asyncio.Event()
+    async with gateway_stack(1, hold=hold) as st, aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": "p", "stream": True}
+        kept = await s.post(st.url + "/v1/completions", json=body)
+        await asyncio.wait_for(kept.content.readuntil(b"\n\n"), 5)
+        async with s.post(st.url + "/v1/completions", json=body) as r:
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+            assert st.gateway.pool.engines["e0"].inflight == 2
+            r.close()  # the client goes away mid-stream
+        await asyncio.wait_for(st.engines[0].disconnected.wait(), 5)
+        await wait_until(lambda: "cancelled" in {o for _, _, o in st.routing.reports})
+        await asyncio.sleep(0.1)  # (a second count would have come by now)
+        assert [o for _, _, o in st.routing.reports] == ["cancelled"]
+        assert st.gateway.metrics.client_disconnects._value.get() == 1
+        assert st.gateway.pool.engines["e0"].inflight == 1
+        hold.set()
+        await kept.read()
+        kept.close()
+        await wait_until(lambda: st.gateway.pool.engines["e0"].inflight == 0)
+
+
 async def test_5xx_before_first_byte_is_retried_on_another_engine() -> None:
     async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
         st.engines[0].fail_status = 503
