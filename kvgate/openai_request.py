@@ -248,20 +248,44 @@ def _validate_messages(messages: Any) -> list:
     return messages
 
 
+def _token_ids(value: Any) -> bool:
+    """A non-empty array of token ids (integers >= 0; a JSON true is no token id)."""
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
 def _validate_prompt(prompt: Any) -> None:
     ok = isinstance(prompt, str) or (
         isinstance(prompt, list)
         and prompt
         and (
             all(isinstance(p, str) for p in prompt)
-            or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
-            or all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt)
+            or _token_ids(prompt)
+            or all(_token_ids(p) for p in prompt)
         )
     )
     if not ok:
         raise RequestError(
-            "'prompt' must be a string, an array of strings, or token ids", param="prompt"
+            "'prompt' must be a string, an array of strings, an array of token ids or an array "
+            "of non-empty arrays of token ids",
+            param="prompt",
         )
+
+
+def _opt_range(body: Mapping, name: str, low: float, high: float) -> None:
+    """A sampling number OpenAI bounds (it answers 400 outside them): absent, null, or a
+    finite number within [low, high]."""
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
+        raise RequestError(f"'{name}' must be a number from {low:g} to {high:g}", param=name)
+
+
+def _validate_stop(stop: Any) -> None:
+    if stop is None or isinstance(stop, str):
+        return
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("'stop' must be a string or an array of strings", param="stop")
 
 
 def _hint(body: Mapping) -> TraceHint:
@@ -305,6 +329,9 @@ def parse_request(
     n = _opt_int(body, "n")
     if n is not None and n != 1:
         raise RequestError("only n=1 is supported", param="n")
+    _opt_range(body, "temperature", 0.0, 2.0)
+    _opt_range(body, "top_p", 0.0, 1.0)
+    _validate_stop(body.get("stop"))
     if endpoint == "chat":
         messages = _validate_messages(body.get("messages"))
         tools = body.get("tools")

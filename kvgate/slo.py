@@ -9,6 +9,7 @@ from the configured default class. Invalid values raise :class:`SloError` (a 400
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,15 +51,20 @@ SLO_CLASSES: dict[str, Slo] = {
 DEFAULT_SLO_CLASS = "relaxed"
 
 
+# A number of milliseconds as text: ASCII digits, an optional fraction and exponent. Not what
+# float() takes, which also reads "1_000", other scripts' digits, "nan" and "inf".
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
 def _number(value: object, param: str) -> float:
     if isinstance(value, bool):
         raise SloError(f"{param} must be a number of milliseconds", param)
     if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
+        text = value.strip(" \t")
+        if _DECIMAL.fullmatch(text) is None:
             msg = f"{param} must be a number of milliseconds, got {value!r}"
-            raise SloError(msg, param) from None
+            raise SloError(msg, param)
+        value = float(text)
     if not isinstance(value, (int, float)):
         raise SloError(f"{param} must be a number of milliseconds", param)
     value = float(value)

@@ -141,6 +141,20 @@ def test_bad_requests_raise_with_param(endpoint, body, headers, param) -> None:
     assert exc.value.to_body()["error"]["message"]
 
 
+def test_what_openai_accepts_still_parses() -> None:
+    """The edges of the checks: bounds included, every prompt shape, plain SLO numbers."""
+    ok = {"model": "m", "temperature": 2, "top_p": 1.0, "stop": ["a", "b"]}
+    for prompt in ("x", ["a", "b"], [0, 5], [[1, 2], [3]]):
+        parse_request("completions", {**ok, "prompt": prompt}, {})
+    parse_request("completions", {"model": "m", "prompt": "x", "temperature": 0}, {})
+    parse_request("completions", {"model": "m", "prompt": "x", "stop": "\n", "top_p": 0}, {})
+    for text, ms in (("250", 250.0), (" 1.5 ", 1.5), (".5", 0.5), ("1e3", 1000.0), ("1e+03", 1e3)):
+        slo = parse_request(
+            "completions", {"model": "m", "prompt": "x"}, {"x-kvgate-ttft-ms": text}
+        )
+        assert slo.slo.ttft_ms == ms, text
+
+
 def test_chat_template_rendering() -> None:
     tpl = ChatTemplate(
         "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"

@@ -58,6 +58,35 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str | None]] = [
         "tools",
     ),
     (C, b'{"model": "test-model", "prompt": "\xff\xfe"}', {}, 400, None),
+    # token-id prompts: a nested array must be non-empty, and true is no token id
+    (C, b'{"model": "test-model", "prompt": [[]]}', {}, 400, "prompt"),
+    (C, b'{"model": "test-model", "prompt": [[true]]}', {}, 400, "prompt"),
+    (C, b'{"model": "test-model", "prompt": [[1, 2], []]}', {}, 400, "prompt"),
+    (C, b'{"model": "test-model", "prompt": [1, -2]}', {}, 400, "prompt"),
+    # SLO numbers in the plain decimal syntax only (float() takes these)
+    (C, b'{"model": "test-model", "prompt": "x"}', {"x-kvgate-ttft-ms": "1_000"}, 400, None),
+    (
+        C,
+        b'{"model": "test-model", "prompt": "x", "slo": {"ttft_ms": "\xd9\xa1\xd9\xa0\xd9\xa0"}}',
+        {},
+        400,
+        "slo.ttft_ms",
+    ),
+    # sampling parameters OpenAI bounds, and stop's type
+    (C, b'{"model": "test-model", "prompt": "x", "temperature": 2.5}', {}, 400, "temperature"),
+    (C, b'{"model": "test-model", "prompt": "x", "temperature": -0.1}', {}, 400, "temperature"),
+    (C, b'{"model": "test-model", "prompt": "x", "temperature": "1"}', {}, 400, "temperature"),
+    (C, b'{"model": "test-model", "prompt": "x", "top_p": 1.5}', {}, 400, "top_p"),
+    (C, b'{"model": "test-model", "prompt": "x", "top_p": true}', {}, 400, "top_p"),
+    (C, b'{"model": "test-model", "prompt": "x", "stop": 5}', {}, 400, "stop"),
+    (C, b'{"model": "test-model", "prompt": "x", "stop": ["a", 1]}', {}, 400, "stop"),
+    (
+        CHAT,
+        b'{"model": "test-model", "messages": [{"role": "user"}], "stop": {"a": 1}}',
+        {},
+        400,
+        "stop",
+    ),
 ]
 
 
