@@ -51,7 +51,13 @@ from kvgate.kv_transfer import (
     wants_remote_decode,
 )
 from kvgate.logs import request_id_var
-from kvgate.openai_request import ChatTemplate, ParsedRequest, RequestError, parse_request
+from kvgate.openai_request import (
+    ChatTemplate,
+    ParsedRequest,
+    RequestError,
+    client_request_id,
+    parse_request,
+)
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES, Slo
 from kvgate.stats import percentile
 
@@ -451,7 +457,7 @@ def _usage_json(usage: Usage) -> dict:
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     server = request.app[ENGINE_KEY]
-    rid = request.headers.get(REQUEST_ID_HEADER) or f"cmpl-{uuid.uuid4().hex}"
+    rid = client_request_id(request.headers.get(REQUEST_ID_HEADER)) or f"cmpl-{uuid.uuid4().hex}"
     token = request_id_var.set(rid)
     try:
         try:

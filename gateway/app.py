@@ -57,7 +57,13 @@ from gateway.upstream import (
 from kvgate.aio import stop_tasks
 from kvgate.kv_transfer import decode_body, prefill_body, returned_params
 from kvgate.logs import AccessLog, LogOnce, request_id_var
-from kvgate.openai_request import ChatTemplate, Endpoint, RequestError, parse_request
+from kvgate.openai_request import (
+    ChatTemplate,
+    Endpoint,
+    RequestError,
+    client_request_id,
+    parse_request,
+)
 from kvgate.slo import Slo
 from kvgate.slo_forward import forward_body
 from router.api import Decision, EngineInfo, Outcome, RouteRequest, RoutingService
@@ -575,7 +581,10 @@ class Gateway:
     async def handle(self, request: Request, route: _Route) -> Response | StreamResponse:
         """The proxy handler of both OpenAI endpoints."""
         start = time.perf_counter()
-        rid = request.headers.get(REQUEST_ID) or f"{self._ids.getrandbits(128):032x}"
+        rid = (
+            client_request_id(request.headers.get(REQUEST_ID))
+            or f"{self._ids.getrandbits(128):032x}"
+        )
         token = request_id_var.set(rid)
         status = 499  # a cancelled handler: the client went away
         access = _Access()

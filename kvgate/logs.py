@@ -22,6 +22,28 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+def _printable(value: Any) -> Any:
+    """``value`` with every string made encodable (a lone surrogate, such as a header's odd
+    byte decoded with surrogate escapes, written as its backslash escape); the rest as is."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable(v) for v in value]
+    return value
+
+
+def json_line(fields: dict[str, Any]) -> str:
+    """One JSON log line. Never fails on odd text: orjson refuses strings holding lone
+    surrogates (a log line lost, or an exception in the request that logs), so such strings
+    are escaped and the line encoded again (only then: the common line pays nothing)."""
+    try:
+        return orjson.dumps(fields, default=str).decode()
+    except TypeError:  # (orjson.JSONEncodeError is one)
+        return orjson.dumps(_printable(fields), default=lambda v: _printable(str(v))).decode()
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, request_id, and any ``extra`` fields."""
 
@@ -42,7 +64,7 @@ class JsonFormatter(logging.Formatter):
                 out[k] = v
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(out, default=str).decode()
+        return json_line(out)
 
 
 _json_handler: logging.StreamHandler | None = None  # the handler setup_logging installed
@@ -96,7 +118,7 @@ class AccessLog:
             "request_id": rid,
         }
         out.update(fields)
-        line = orjson.dumps(out, default=str).decode() + "\n"
+        line = json_line(out) + "\n"
         handler.acquire()
         try:
             handler.stream.write(line)

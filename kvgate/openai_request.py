@@ -25,6 +25,7 @@ Invalid bodies raise :class:`RequestError`, which carries the HTTP status and th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,9 @@ import orjson
 from kvgate.slo import Slo, SloError, parse_slo
 
 SESSION_HEADER = "x-kvgate-session"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 128
+_REQUEST_ID = re.compile(rf"[!-~]{{1,{MAX_REQUEST_ID}}}")
 Endpoint = Literal["completions", "chat"]
 
 
@@ -90,6 +94,16 @@ class ParsedRequest:
     slo_stated: bool
     session: str | None
     hint: TraceHint
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's ``x-request-id`` if it is a sane token (1 to 128 printable ASCII
+    characters, no space), else None: the caller makes its own. An id goes into engines'
+    events, output text, logs and answer headers; an odd byte in it (a header is any bytes)
+    must cost nothing there, so it is replaced rather than carried."""
+    if value is None or _REQUEST_ID.fullmatch(value) is None:
+        return None
+    return value
 
 
 def _dumps(value: Any) -> bytes:

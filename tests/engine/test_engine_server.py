@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from broker import MemoryBroker
@@ -122,6 +123,26 @@ async def test_bad_input_is_400_and_unknown_model_404(engine) -> None:
         await client.completions.create(model="other", prompt="x")
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", data=b"{") as r:
         assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+
+
+async def test_an_odd_request_id_is_replaced_not_a_500(engine) -> None:
+    """Hit directly with a request id holding a non-UTF-8 byte (which the answer's text and
+    the events are made from), the engine answers with an id of its own; a sane id is kept."""
+    url, _, _ = engine
+    host, port = url.removeprefix("http://").split(":")
+    body = b'{"model": "kvgate-sim", "messages": [{"role": "user", "content": "hi"}]}'
+    for rid, kept in ((b"\xffabc", False), (b"my-id.1", True)):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nx-request-id: %s\r\nContent-Length: %d\r\n"
+            b"\r\n%s" % (rid, len(body), body)
+        )
+        raw = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:300]
+        answer = orjson.loads(raw.split(b"\r\n\r\n", 1)[1])
+        assert (answer["id"] == rid.decode()) if kept else answer["id"].startswith("cmpl-")
 
 
 async def test_infeasible_slo_is_429_with_the_reason(engine) -> None:

@@ -143,3 +143,28 @@ def test_logs_explain_command(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
     empty.write_text("")
     assert kvgate_main(["logs", "explain", str(empty)]) == 1  # nothing to explain
     assert kvgate_main(["logs", "explain", str(tmp_path / "missing.log")]) == 2
+
+
+def test_log_lines_survive_odd_text() -> None:
+    """A string orjson refuses (a lone surrogate: an odd header byte decoded with surrogate
+    escapes) is written escaped; the line is not lost and the caller sees no exception."""
+    odd = b"\xffabc".decode("utf-8", "surrogateescape")
+    record = logging.LogRecord("kvgate.x", logging.WARNING, __file__, 1, "seen %s", (odd,), None)
+    record.engine = odd  # an ``extra`` field
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level, kvlogs._json_handler)
+    token = kvlogs.request_id_var.set(odd)
+    try:
+        line = orjson.loads(JsonFormatter().format(record))
+        assert line["msg"] == "seen \\udcffabc" and line["engine"] == "\\udcffabc"
+        assert line["request_id"] == "\\udcffabc"
+        setup_logging("info")
+        stream = io.StringIO()
+        kvlogs._json_handler.stream = stream
+        AccessLog().write({"path": C, "status": 200, "model": odd})
+    finally:
+        kvlogs.request_id_var.reset(token)
+        root.handlers[:], level, kvlogs._json_handler = saved
+        root.setLevel(level)
+    written = orjson.loads(stream.getvalue())
+    assert written["model"] == "\\udcffabc" and written["request_id"] == "\\udcffabc"

@@ -114,6 +114,40 @@ async def test_a_client_gone_mid_stream_is_counted_once() -> None:
         await wait_until(lambda: st.gateway.pool.engines["e0"].inflight == 0)
 
 
+async def _raw_post(url: str, extra: bytes) -> tuple[int, dict[str, str]]:
+    """A completion whose head carries ``extra`` header lines as raw bytes (a client library
+    would refuse a non-ASCII byte): its status and headers."""
+    host, port = url.removeprefix("http://").split(":")
+    body = orjson.dumps({"model": MODEL, "prompt": "p"})
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+    )
+    raw = await asyncio.wait_for(reader.read(-1), 10)
+    writer.close()
+    head = raw.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in head[1:])
+    return int(head[0].split()[1]), {k.lower(): v for k, v in fields.items()}
+
+
+async def test_a_client_request_id_is_kept_only_when_sane() -> None:
+    """A sane x-request-id is kept and forwarded; an odd byte in it, a space or an
+    over-long one is replaced by a generated id (never a 500, never an engine failure)."""
+    async with gateway_stack(1) as st:
+        status, headers = await _raw_post(st.url, b"x-request-id: req-42_A.b\r\n")
+        assert status == 200 and headers["x-request-id"] == "req-42_A.b"
+        assert st.engines[0].headers[-1]["x-request-id"] == "req-42_A.b"
+        for bad in (b"\xffabc", b"a b", b"x" * 129, b"caf\xc3\xa9"):
+            status, headers = await _raw_post(st.url, b"x-request-id: " + bad + b"\r\n")
+            assert status == 200, bad
+            rid = headers["x-request-id"]
+            assert len(rid) == 32 and int(rid, 16) >= 0, (bad, rid)
+            assert st.engines[0].headers[-1]["x-request-id"] == rid
+        e0 = st.gateway.pool.engines["e0"]
+        assert e0.failures == 0 and e0.breaker.state == "closed"
+
+
 async def test_5xx_before_first_byte_is_retried_on_another_engine() -> None:
     async with gateway_stack(2) as st, aiohttp.ClientSession() as s:
         st.engines[0].fail_status = 503
