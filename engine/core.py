@@ -161,18 +161,17 @@ class EngineCore(SchedBook):
         p = self.profile
         hashes = self.cache.key_hashes(req.key)
         matched = self.cache.match(hashes)
-        total_blocks = -(-(req.input_tokens + req.output_tokens) // p.block_tokens)
+        need = kv_blocks_needed(p, len(req.key), req.input_tokens, req.output_tokens)
         self._seq += 1
         st = ReqState(
             req=req,
             seq=self._seq,
             hashes=hashes,
-            private_blocks=max(total_blocks - len(hashes), 0),
+            private_blocks=need - len(hashes),
             cached_tokens=self._cached_tokens(req, matched),
             hit_ratio=(matched * p.block_bytes / len(req.key)) if req.key else 0.0,
         )
         self.plan_output(st)
-        need = len(hashes) + st.private_blocks
         refusal = None
         if need > p.kv_blocks:
             refusal = Refusal(
@@ -525,7 +524,10 @@ class EngineCore(SchedBook):
                 # its output's whole blocks join the prefix cache, as vLLM and SGLang cache every
                 # full block: a conversation's answer as its next turn resends it, any other
                 # answer as bytes no key shares (never reused, but it takes room in the LRU)
-                answer = st.req.answer_key or output_filler(
+                answer = st.req.answer_key
+                if callable(answer):
+                    answer = answer()
+                answer = answer or output_filler(
                     st.request_id, st.generated * self.profile.bytes_per_token
                 )
                 self.cache.extend(st.request_id, st.req.key + answer, t)
@@ -553,6 +555,16 @@ class EngineCore(SchedBook):
             return
         self.cache.release(st.request_id, now)
         self._leave_ledger(st)
+
+
+def kv_blocks_needed(
+    profile: CostProfile, key_bytes: int, input_tokens: int, output_tokens: int
+) -> int:
+    """The KV blocks a request holds at its longest: its prompt and whole answer, and at least
+    its key's whole blocks. More than ``profile.kv_blocks`` and no engine of this profile can
+    ever hold it: the live engine says so before admission (400), the core refuses it."""
+    key_blocks = key_bytes // profile.block_bytes
+    return max(key_blocks, -(-(input_tokens + output_tokens) // profile.block_tokens))
 
 
 def output_filler(request_id: str, n_bytes: int) -> bytes:

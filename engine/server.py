@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -38,7 +39,7 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.core import EngineCore, EngineRequest, Output, Usage
+from engine.core import EngineCore, EngineRequest, Output, Usage, kv_blocks_needed
 from engine.scheduler.state import SchedulerConfig
 from engine.text import tokens_text
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
@@ -501,6 +502,10 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             if keep_kv
             else parsed.hint.output_tokens or parsed.max_tokens or server.config.default_max_tokens
         )
+        input_tokens = _prompt_tokens(server, parsed, body)
+        too_long = _context_error(server, parsed, input_tokens, output_tokens)
+        if too_long is not None:
+            return _error(too_long)
         moved: tuple[int, float] | None = None
         if remote is not None:
             moved = await server.pull_kv(remote, parsed.key)
@@ -517,7 +522,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         req = EngineRequest(
             request_id=rid,
             key=parsed.key,
-            input_tokens=_prompt_tokens(server, parsed, body),
+            input_tokens=input_tokens,
             output_tokens=output_tokens,
             slo=parsed.slo,
             arrival=arrival,
@@ -536,17 +541,44 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         request_id_var.reset(token)
 
 
+def _context_error(
+    server: EngineServer, parsed: ParsedRequest, input_tokens: int, output_tokens: int
+) -> RequestError | None:
+    """A request this engine could never hold (its prompt and answer need more KV blocks than
+    it has in all): OpenAI's 400 ``context_length_exceeded``, before any work. Not the
+    scheduler's 429: no wait makes room for it, and a client retries a 429."""
+    p = server.profile
+    if kv_blocks_needed(p, len(parsed.key), input_tokens, output_tokens) <= p.kv_blocks:
+        return None
+    limit = p.kv_blocks * p.block_tokens
+    param = "messages" if parsed.endpoint == "chat" else "prompt"
+    return RequestError(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{input_tokens + output_tokens} tokens ({input_tokens} in the {param}, "
+        f"{output_tokens} in the completion). Please reduce the length of the {param} or "
+        "completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def _answer_key(
     server: EngineServer, parsed: ParsedRequest, rid: str, output_tokens: int, keep_kv: bool
-) -> bytes:
+) -> bytes | Callable[[], bytes]:
     """What this chat answer adds to the key of the conversation's next turn, which resends it
     as an assistant message: its text (the simulated model's, fixed by the request id) and the
     line end closing the message in the canonical rendering (kvgate.openai_request), whose key
     ends with the assistant's opening line. The engine caches it when the answer is complete,
-    as vLLM and SGLang cache output tokens. None (b"") under a model's chat template, whose
-    rendering of the answer is the template's, and for a prefill handed to a decode engine."""
+    as vLLM and SGLang cache output tokens; the text is made then (a function), since making
+    a long answer's text takes time in proportion (0.3 s for 200,000 tokens) and a cancelled
+    or refused answer needs none. None (b"") under a model's chat template, whose rendering of
+    the answer is the template's, and for a prefill handed to a decode engine."""
     if parsed.endpoint != "chat" or server.template is not None or keep_kv:
         return b""
+    return functools.partial(_answer_text, rid, output_tokens)
+
+
+def _answer_text(rid: str, output_tokens: int) -> bytes:
     return tokens_text(rid, 0, output_tokens).encode() + b"\n"
 
 

@@ -14,6 +14,7 @@ shows up where it happens instead of as a wrong number in a benchmark.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.slo import Slo
@@ -65,8 +66,10 @@ class EngineRequest:
     kv_transfer_tokens: int | None = None
     # what its answer adds to the key of the conversation's next turn (the simulated model's
     # output as that turn resends it); b"": unknown, and bytes of its own stand for it. Cached
-    # when it finishes, as real engines cache a finished request's output tokens
-    answer_key: bytes = b""
+    # when it finishes, as real engines cache a finished request's output tokens. Or a
+    # function that makes it, called once when it finishes: a long answer's text is then made
+    # only if the answer ends, not on arrival (which held the live engine's loop for seconds)
+    answer_key: bytes | Callable[[], bytes] = b""
     # the cap the client stated (its max_tokens; None: ``output_tokens``): all a real
     # scheduler knows of the answer's length before it ends. ``output_tokens`` is where the
     # simulated model ends it (its EOS), which the scheduler does not plan on

@@ -77,6 +77,28 @@ def test_a_finished_answer_is_cached_for_the_turn_that_resends_it() -> None:
     assert c.cache.match(c.cache.key_hashes(nxt)) == 3
 
 
+def test_an_answer_key_given_as_a_function_is_made_once_and_only_when_it_ends() -> None:
+    from dataclasses import replace
+
+    prompt = bytes(range(65, 65 + 50)) * 4
+    made: list[str] = []
+
+    def answer(name: str) -> bytes:
+        made.append(name)
+        return b"z" * 120
+
+    c = core()
+    c.submit(replace(req("A", 50, out=30, key=prompt), answer_key=lambda: answer("A")), 0.0)
+    c.submit(replace(req("B", 50, out=1000, key=prompt), answer_key=lambda: answer("B")), 0.0)
+    run_until(c, 0.1)
+    assert made == []
+    c.cancel("B", 0.1)
+    run_until(c, 10.0)
+    assert made == ["A"]  # B was cancelled: its answer never made
+    nxt = prompt + b"z" * 120 + b"<|user|> and then?"
+    assert c.cache.match(c.cache.key_hashes(nxt)) == 5  # A's answer is cached as its bytes
+
+
 def test_cancel_frees_kv_and_emits_a_terminal_event() -> None:
     c = core(profile=linear_profile(kv_blocks=100))
     c.submit(req("A", 100, out=1000), 0.0)

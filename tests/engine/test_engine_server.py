@@ -145,6 +145,72 @@ async def test_an_odd_request_id_is_replaced_not_a_500(engine) -> None:
         assert (answer["id"] == rid.decode()) if kept else answer["id"].startswith("cmpl-")
 
 
+@pytest.mark.timeout(60)
+async def test_a_request_no_engine_could_hold_is_a_400_at_once(engine) -> None:
+    """Prompt and answer beyond the engine's KV in all: OpenAI's 400 context_length_exceeded,
+    answered before any work (not a retryable 429 after the whole answer's text was made:
+    seconds for 6M tokens, forever for a hint near 2**62); the engine serves on."""
+    url, _, server = engine
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = (
+        ("/v1/chat/completions", {"messages": msgs, "max_tokens": 6_000_000}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": msgs, "kvgate": {"output_tokens": 2**62}},
+            "messages",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 300_000}, "prompt"),
+        ("/v1/completions", {"prompt": "word " * 1_000_000, "max_tokens": 2}, "prompt"),
+    )
+    async with aiohttp.ClientSession() as s:
+        for path, body, param in cases:
+            t0 = asyncio.get_running_loop().time()
+            async with s.post(url + path, json={"model": "kvgate-sim", **body}) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400, (body, err)
+            assert asyncio.get_running_loop().time() - t0 < 2.0
+            assert err["code"] == "context_length_exceeded" and err["param"] == param
+            assert "maximum context length is 224000 tokens" in err["message"]
+    assert server.core.rejected == 0  # refused before the scheduler
+    client = _client(url)
+    r = await client.chat.completions.create(model="kvgate-sim", messages=msgs, max_tokens=3)
+    assert r.usage.completion_tokens == 3
+
+
+async def test_a_long_answer_s_text_is_made_only_when_it_ends(engine, monkeypatch) -> None:
+    """The text a chat answer adds to the next turn's key is made when the answer ends, not
+    on arrival: a long answer cancelled early costs no more than the tokens it sent."""
+    import engine.server as engine_server
+
+    url, _, server = engine
+    asked: list[int] = []
+    real = engine_server.tokens_text
+
+    def counting(rid: str, start: int, count: int) -> str:
+        asked.append(count)
+        return real(rid, start, count)
+
+    monkeypatch.setattr(engine_server, "tokens_text", counting)
+    body = {
+        "model": "kvgate-sim",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 100_000,
+        "stream": True,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(url + "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+        r.close()
+    for _ in range(100):  # bounded: the engine sees the client gone within its poll
+        if not server.core.running and not server.core.waiting:
+            break
+        await asyncio.sleep(0.05)
+    assert asked and max(asked) < 1000, max(asked)
+
+
 async def test_infeasible_slo_is_429_with_the_reason(engine) -> None:
     url, _, _ = engine
     with pytest.raises(openai.RateLimitError, match="TTFT SLO of 250 ms cannot be met"):
