@@ -680,6 +680,15 @@ class Gateway:
             access.reason = decision.reason
             access.detail = decision.detail
             access.matched_bytes = decision.matched_bytes
+            if decision.reason == "too_long":  # not an overload: no retry would serve it
+                param = "messages" if route.endpoint == "chat" else "prompt"
+                raise RequestError(
+                    f"This request exceeds the maximum context length of every engine serving "
+                    f"{parsed.model!r} ({decision.detail}). Please reduce the length of the "
+                    f"{param} or completion.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
             if decision.shed:
                 retry_after = max(1, math.ceil(decision.retry_after_s or 1.0))
                 if tried:  # every engine left has failed this request

@@ -34,6 +34,9 @@ Reason = Literal[
     "power_of_two",
     "affinity",  # session affinity (consistent hashing)
     "shed",  # no engine can meet the SLO: the gateway answers 429
+    # shed, and no engine serving the model could ever hold it (its prompt and max_tokens
+    # beyond each one's KV in all): the gateway answers 400 context_length_exceeded
+    "too_long",
     "decode",  # a decode retry of a disaggregated request: only its decode engine was chosen
 ]
 

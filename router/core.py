@@ -60,6 +60,7 @@ class Router:
         that prefill, and a prefill-only choice gets a decode engine too."""
         cl = self.cluster
         cl.expire(now)
+        asked = req
         if cl.config.fit_output:
             planned = cl.output_fit.expected(req.max_tokens)
             if planned != req.max_tokens:
@@ -94,7 +95,7 @@ class Router:
         self._count(decision)
         chosen = decision.engine_id
         if chosen is None:
-            return decision
+            return self._never_fits(asked, decision, now)
         if chosen in prefill_only:
             decision = self._pair(req, decision, every, match, matched, group, now)
         else:
@@ -180,6 +181,31 @@ class Router:
         )
         self._count(decision)
         return decision
+
+    def _never_fits(self, req: RouteRequest, shed: Decision, now: float) -> Decision:
+        """A shed request that no engine serving its model could ever hold (its prompt and
+        stated ``max_tokens`` need more KV blocks than each one has in all) is told apart
+        (reason ``too_long``): no wait makes room for it, so it must not be answered as an
+        overload to retry. Judged only on engines that announced their profile (a heartbeat):
+        one that did not may hold more than the default profile says. Only on a shed: the
+        decision path pays nothing."""
+        most = 0
+        for eng in self.cluster.eligible(req.model, now).values():
+            p = eng.profile
+            if eng.heartbeat is None:
+                return shed
+            tokens = p.prompt_tokens(req.input_tokens, len(req.key)) + req.max_tokens
+            if -(-tokens // p.block_tokens) <= p.kv_blocks:
+                return shed
+            most = max(most, p.kv_blocks * p.block_tokens)
+        if most == 0:
+            return shed
+        return dataclasses.replace(
+            shed,
+            reason="too_long",
+            detail=f"{req.input_tokens} prompt + {req.max_tokens} output tokens; the largest "
+            f"engine serving {req.model!r} holds {most} tokens in all",
+        )
 
     def _no_engine(self, detail: str) -> Decision:
         """A shed for want of any engine to send to (counted like a policy's shed)."""

@@ -305,3 +305,25 @@ async def test_remote_router_mode_and_router_outage() -> None:
         await router_runner.cleanup()
         for r, _ in engines:
             await r.cleanup()
+
+
+async def test_a_request_no_engine_could_ever_hold_is_a_400_not_a_429() -> None:
+    """Beyond every engine's KV in all (224,000 tokens on the demo's profile), whether the
+    router sheds it (a 1.25M-token prompt) or an engine is asked (max_tokens 300,000): OpenAI's
+    400 context_length_exceeded, which the openai SDK does not retry; no engine counts it as a
+    failure; an overload stays a 429."""
+    async with demo_stack("e2", 2) as stack, aiohttp.ClientSession() as s:
+        for body in (
+            {"prompt": "word " * 1_000_000, "max_tokens": 2},
+            {"prompt": "hi", "max_tokens": 300_000},
+        ):
+            async with s.post(stack.url + "/v1/completions", json={"model": MODEL, **body}) as r:
+                err = (await r.json())["error"]
+                assert r.status == 400, err
+            assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+            assert "Retry-After" not in r.headers
+        pool = stack.gateway.pool
+        assert all(e.failures == 0 for e in pool.engines.values())
+        oc = client(stack.url)
+        comp = await oc.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        assert comp.usage.completion_tokens == 3
