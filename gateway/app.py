@@ -194,6 +194,13 @@ _HOP = frozenset(
 _NOT_FORWARDED = frozenset(h.encode() for h in _HOP | {DEBUG_HEADER, REQUEST_ID, "expect"})
 _NOT_RELAYED = frozenset(h.encode() for h in _HOP | {REQUEST_ID, ROUTE_HEADER, WORKER_HEADER})
 HEALTH_BODY_LIMIT = 1 << 20  # a /health or /v1/models answer larger than this is a failure
+# What of the client's head goes to an engine: engines refuse big heads with a plain-text 400
+# that says nothing useful (aiohttp: over 128 fields or a line over 8,190 bytes; uvicorn on
+# h11: a head over 16 KiB), so the gateway sends at most this much, in the first fields.
+MAX_FORWARDED_FIELDS = 64
+MAX_FORWARDED_FIELD_BYTES = 8000
+MAX_FORWARDED_HEAD_BYTES = 16 * 1024
+_JSON_TYPE = b"content-type: application/json\r\n"
 
 StatsProvider = Callable[[], Awaitable[Mapping[str, Any]]]
 DrainHook = Callable[[str, bool], None]
@@ -557,12 +564,48 @@ class Gateway:
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
 
-    @staticmethod
-    def _forward_headers(request: Request, rid: bytes) -> bytes:
-        """The client's header lines for the engine, as received, hop-by-hop ones dropped;
-        the request id replaces any the client sent. Encoded once per request."""
+    def _forward_headers(self, request: Request, rid: bytes) -> bytes:
+        """The head for the engine: ``Content-Type: application/json`` (the body is JSON the
+        gateway parsed, whatever the client called it), the request id, and the client's own
+        fields as received (Authorization for an engine's API key, the SLO headers, tracing),
+        each name once with its first value (the one the gateway itself read), never a
+        hop-by-hop one (RFC 9110's, and those the client's Connection names), one over
+        ``MAX_FORWARDED_FIELD_BYTES``, nor past ``MAX_FORWARDED_FIELDS`` or
+        ``MAX_FORWARDED_HEAD_BYTES``: the engine would refuse the whole head. Dropped fields
+        are logged (once a minute). Encoded once per request."""
         skip = _NOT_FORWARDED
-        lines = [n + b": " + v + b"\r\n" for n, v in request.fields if n not in skip]
+        seen = {b"content-type"}
+        if "connection" in request.headers:  # (every Connection field: each may name some)
+            for n, v in request.fields:
+                if n == b"connection":
+                    seen.update(t.strip().lower() for t in v.split(b","))
+        lines = [_JSON_TYPE]
+        size = dropped = 0
+        for n, v in request.fields:
+            if n in skip or n in seen:
+                continue
+            seen.add(n)
+            line = n + b": " + v + b"\r\n"
+            size += len(line)
+            if (
+                len(line) > MAX_FORWARDED_FIELD_BYTES
+                or size > MAX_FORWARDED_HEAD_BYTES
+                or len(lines) > MAX_FORWARDED_FIELDS
+            ):
+                size -= len(line)
+                dropped += 1
+                continue
+            lines.append(line)
+        if dropped:
+            self.log_once.warning(
+                "dropped-fields",
+                "not forwarded to engines: %d client header fields over the gateway's limits "
+                "(%d fields, %d bytes each, %d bytes in all)",
+                dropped,
+                MAX_FORWARDED_FIELDS,
+                MAX_FORWARDED_FIELD_BYTES,
+                MAX_FORWARDED_HEAD_BYTES,
+            )
         lines.append(b"x-request-id: " + rid + b"\r\n")
         return b"".join(lines)
 
@@ -849,7 +892,9 @@ class Gateway:
             elif status >= 400:  # the request's own fault (or an SLO rejection): relay it
                 self.pool.released(engine_id)
                 self._report(pd.rid, engine_id, "failed")
-                return Response(status, data, raw_headers=out_headers)
+                return _engine_error(status, data, engine_id, pd.rid) or Response(
+                    status, data, raw_headers=out_headers
+                )
             else:
                 try:
                     answer = orjson.loads(data)
@@ -1011,6 +1056,10 @@ class Gateway:
         self._report(rid, engine_id, "ok" if ok else "failed", answer=answer)
         m = self.metrics
         m.child(m.e2e, route.path, "false").observe(time.perf_counter() - start)
+        if status >= 400:
+            wrapped = _engine_error(status, data, engine_id, rid)
+            if wrapped is not None:
+                return wrapped
         return Response(status, data, raw_headers=out_headers)
 
     async def _relay_stream(
@@ -1191,6 +1240,23 @@ class Gateway:
         log.info("engine %s %s", engine_id, "draining" if draining else "undrained")
         e = self.pool.engines[engine_id]
         return json_response(orjson.dumps(e.describe(time.monotonic())))
+
+
+def _engine_error(status: int, data: bytes, engine_id: str, rid: str) -> Response | None:
+    """An engine's error answer that is not JSON (aiohttp's plain-text 400 for a head it
+    refuses, a proxy's HTML page) as OpenAI's JSON error, its text in the message, so that
+    clients (the openai SDK) read it as any other error; None: a JSON object (OpenAI's error,
+    or an older vLLM's top-level one), relayed as it is."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        if isinstance(orjson.loads(data), dict):
+            return None
+    text = data[:500].decode("utf-8", "replace").strip()
+    return error_response(
+        status,
+        f"engine {engine_id} answered {status}" + (f": {text}" if text else ""),
+        code="upstream_error",
+        headers={REQUEST_ID: rid},
+    )
 
 
 def _is_embedded(routing: RoutingService) -> bool:

@@ -27,6 +27,7 @@ class FakeEngine:
     name: str
     models: tuple[str, ...] = (MODEL,)
     fail_status: int | None = None  # answer every completion with this status
+    fail_text: bytes | None = None  # ... with this plain-text body (else an OpenAI JSON error)
     chunks: int = 3
     token: str = "x"  # each streamed chunk's text
     chunk_gap_s: float = 0.0
@@ -64,6 +65,8 @@ class FakeEngine:
         sock = request.transport.get_extra_info("socket") if request.transport else None
         if sock is not None:
             self.peer_nodelay.append(bool(sock.getsockopt(IPPROTO_TCP, TCP_NODELAY)))
+        if self.fail_status is not None and self.fail_text is not None:
+            return web.Response(status=self.fail_status, body=self.fail_text)
         if self.fail_status is not None:
             return web.json_response(
                 {"error": {"message": "injected", "type": "x"}}, status=self.fail_status

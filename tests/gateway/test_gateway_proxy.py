@@ -13,6 +13,7 @@ import orjson
 import pytest
 from gw_harness import MODEL, gateway_stack, wait_until
 
+from gateway.app import MAX_FORWARDED_FIELDS
 from gateway.config import GatewayConfig
 
 
@@ -146,6 +147,43 @@ async def test_a_client_request_id_is_kept_only_when_sane() -> None:
             assert st.engines[0].headers[-1]["x-request-id"] == rid
         e0 = st.gateway.pool.engines["e0"]
         assert e0.failures == 0 and e0.breaker.state == "closed"
+
+
+async def test_only_what_engines_need_of_the_clients_head_is_forwarded() -> None:
+    """Duplicate fields, a 9 KB field, 200 fields, hop-by-hop ones: none reaches the engine
+    (whose server would refuse the head with a plain-text 400); Authorization, the SLO headers
+    and the first value of a repeated field do, with one Content-Type: application/json."""
+    async with gateway_stack(1) as st:
+        head = (
+            b"Authorization: Bearer sk-engine\r\nContent-Type: text/plain\r\n"
+            b"x-kvgate-ttft-ms: 5000\r\nx-kvgate-ttft-ms: 1\r\nConnection: x-hop\r\n"
+            b"x-hop: dropped\r\nx-big: " + b"b" * 9000 + b"\r\nTE: trailers\r\n"
+            b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+            + b"".join(b"x-junk-%d: v\r\n" % i for i in range(200))
+        )
+        status, headers = await _raw_post(st.url, head)
+        assert status == 200, headers
+        got = st.engines[0].headers[-1]
+        assert got["authorization"] == "Bearer sk-engine"
+        assert got["content-type"] == "application/json"
+        assert got["x-kvgate-ttft-ms"] == "5000"  # the value the gateway read
+        assert got["traceparent"].startswith("00-0af76519")
+        assert "x-hop" not in got and "x-big" not in got and "te" not in got
+        assert len(got) <= MAX_FORWARDED_FIELDS + 8  # (and aiohttp's own: host, length)
+
+
+async def test_an_engines_error_that_is_not_json_reaches_the_client_as_json() -> None:
+    async with gateway_stack(1) as st, aiohttp.ClientSession() as s:
+        st.engines[0].fail_status = 400
+        st.engines[0].fail_text = b"400, message: Duplicate 'Content-Type' header found"
+        async with s.post(st.url + "/v1/completions", json={"model": MODEL, "prompt": "p"}) as r:
+            assert r.status == 400 and r.content_type == "application/json"
+            err = (await r.json())["error"]
+            assert "Duplicate 'Content-Type'" in err["message"] and "e0" in err["message"]
+            assert err["type"] == "invalid_request_error" and r.headers["x-request-id"]
+        st.engines[0].fail_text = None  # an OpenAI JSON error: relayed as it is
+        async with s.post(st.url + "/v1/completions", json={"model": MODEL, "prompt": "p"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["message"] == "injected"
 
 
 async def test_5xx_before_first_byte_is_retried_on_another_engine() -> None:
