@@ -20,7 +20,7 @@ from router.api import Decision, EngineInfo, Outcome, RouteRequest
 from router.cluster import Cluster
 from router.cluster_state import ClusterConfig
 from router.pd import choose_decode, decode_id, decode_phase, prefill_phase
-from router.policies.base import EngineView, Policy, RequestContext, Rng
+from router.policies.base import EngineView, Policy, RequestContext, Rng, kv_blocks
 from router.policies.registry import make_policy
 from router.tree_node import Match
 from router.view import View
@@ -184,20 +184,21 @@ class Router:
 
     def _never_fits(self, req: RouteRequest, shed: Decision, now: float) -> Decision:
         """A shed request that no engine serving its model could ever hold (its prompt and
-        stated ``max_tokens`` need more KV blocks than each one has in all) is told apart
-        (reason ``too_long``): no wait makes room for it, so it must not be answered as an
-        overload to retry. Judged only on engines that announced their profile (a heartbeat):
-        one that did not may hold more than the default profile says. Only on a shed: the
-        decision path pays nothing."""
+        stated ``max_tokens`` need more KV blocks than each one has in all, as its heartbeat
+        says: a bridge reports vLLM's real block count) is told apart (reason ``too_long``):
+        no wait makes room for it, so it must not be answered as an overload to retry. Judged
+        only on engines that announced themselves (a heartbeat): one that did not may hold
+        more than the default profile says. Only on a shed: the decision path pays nothing."""
         most = 0
         for eng in self.cluster.eligible(req.model, now).values():
             p = eng.profile
             if eng.heartbeat is None:
                 return shed
+            blocks = kv_blocks(p, eng.heartbeat)
             tokens = p.prompt_tokens(req.input_tokens, len(req.key)) + req.max_tokens
-            if -(-tokens // p.block_tokens) <= p.kv_blocks:
+            if -(-tokens // p.block_tokens) <= blocks:
                 return shed
-            most = max(most, p.kv_blocks * p.block_tokens)
+            most = max(most, blocks * p.block_tokens)
         if most == 0:
             return shed
         return dataclasses.replace(
