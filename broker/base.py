@@ -39,10 +39,47 @@ class BadStream(BrokerError):
         self.engine_ids = tuple(engine_ids)
 
 
+class BadPosition(BrokerError):
+    """The broker refused to read some streams from the positions given: those positions are
+    unusable (the other streams are fine and are read without them)."""
+
+    def __init__(self, engine_ids: Sequence[str]) -> None:
+        super().__init__(f"unreadable position on stream: {', '.join(engine_ids)}")
+        self.engine_ids = tuple(engine_ids)
+
+
+MAX_ID_PART = (1 << 64) - 1  # Redis stream ids are two unsigned 64-bit integers
+
+
+def _id_part(text: str) -> int:
+    # ASCII digits only: int() also takes "_", spaces, signs and other scripts' digits, which
+    # Redis refuses (one such position made every multi-stream XREAD fail)
+    if not (0 < len(text) <= 20 and text.isascii() and text.isdigit()):
+        raise ValueError(f"not a stream id part: {text!r}")
+    value = int(text)
+    if value > MAX_ID_PART:
+        raise ValueError(f"stream id part over 64 bits: {text!r}")
+    return value
+
+
 def parse_id(entry_id: str) -> tuple[int, int]:
-    """A stream id ``"<ms>-<n>"`` as a comparable pair; raises ValueError if it is not one."""
-    ms, _, n = entry_id.partition("-")
-    return int(ms), int(n or 0)
+    """A stream id ``"<ms>-<n>"`` (or ``"<ms>"``) as a comparable pair; raises ValueError unless
+    it is one Redis accepts: ASCII digits, each part within 64 bits."""
+    if not isinstance(entry_id, str):
+        raise ValueError(f"not a stream id: {entry_id!r}")
+    ms, sep, n = entry_id.partition("-")
+    return _id_part(ms), _id_part(n) if sep else 0
+
+
+def refused_positions(positions: Mapping[str, str]) -> list[str]:
+    """The engines whose read position is not a stream id Redis accepts (:func:`parse_id`)."""
+    bad = []
+    for engine_id, pos in positions.items():
+        try:
+            parse_id(pos)
+        except ValueError:
+            bad.append(engine_id)
+    return bad
 
 
 @dataclass(slots=True)

@@ -34,7 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker.base import BadStream, Broker, BrokerError, BrokerUnavailable, parse_id
+from broker.base import (
+    BadPosition,
+    BadStream,
+    Broker,
+    BrokerError,
+    BrokerUnavailable,
+    parse_id,
+)
 from broker.codec import CodecError, decode_batch, decode_snapshot
 from broker.events import AllCleared, BlockStored, Envelope, Snapshot
 from broker.tracker import Cursor, State, Verdict
@@ -120,6 +127,7 @@ class Consumer:
         self._next_discover = 0.0
         self._next_snapshot_poll = 0.0
         self._next_snapshot_request: dict[str, float] = {}
+        self._bad_snapshots: dict[str, int] = {}  # engine -> hash of its bad snapshot
         self._task: asyncio.Task | None = None
         self._closing = False
         self._down = False
@@ -214,6 +222,9 @@ class Consumer:
         except BadStream as exc:
             self._quarantine(exc.engine_ids)
             return 0
+        except BadPosition as exc:
+            self._restart(exc.engine_ids, positions)
+            return 0
         self.answered_at = time.monotonic()
         entries = 0
         gaps = False
@@ -274,6 +285,21 @@ class Consumer:
             self._quarantined[engine_id] = until
             self._count_malformed(engine_id, "its stream key holds another Redis type")
 
+    def _restart(self, engine_ids: tuple[str, ...], positions: dict[str, str]) -> None:
+        """The broker refused these streams' positions: each is counted, its engine reset and
+        its cursor started over from a snapshot, so the other streams keep being read."""
+        now = self._clock()
+        for engine_id in engine_ids:
+            cursor = self.cursors.get(engine_id)
+            if cursor is None:
+                continue
+            self._count_malformed(
+                engine_id, f"the broker refused position {positions.get(engine_id)!r}"
+            )
+            self.stats.resyncs += 1
+            self._reset(engine_id, now)
+            cursor.restart()
+
     # ----------------------------------------------------------------- snapshots
 
     async def _load_pending_snapshots(self) -> None:
@@ -292,14 +318,20 @@ class Consumer:
         data = await self.broker.get_snapshot(engine_id)
         if data is None:
             return None
+        data = bytes(data)
         try:
-            snap = decode_snapshot(bytes(data))
+            snap = decode_snapshot(data)
             if snap.engine_id != engine_id:
                 raise CodecError(f"snapshot of engine {snap.engine_id!r} under {engine_id!r}")
-            parse_id(snap.stream_id)
+            parse_id(snap.stream_id)  # strict: a position Redis refuses would fail every read
         except (CodecError, ValueError) as exc:
-            self._count_malformed(engine_id, f"bad snapshot: {exc}")
+            # polled again until replaced: the same bad snapshot is counted once
+            key = hash(data)
+            if self._bad_snapshots.get(engine_id) != key:
+                self._bad_snapshots[engine_id] = key
+                self._count_malformed(engine_id, f"bad snapshot: {exc}")
             return None
+        self._bad_snapshots.pop(engine_id, None)
         return snap
 
     async def _ask_for_snapshot(self, engine_id: str) -> None:

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 from broker.base import (
     START_ID,
+    BadPosition,
     BrokerStats,
     BrokerUnavailable,
     Fields,
     ReadResult,
     StreamEntries,
     parse_id,
+    refused_positions,
 )
 
 
@@ -92,6 +94,9 @@ class MemoryBroker:
     ) -> ReadResult:
         self._check_open()
         self.stats.read_calls += 1
+        bad = refused_positions(positions)
+        if bad:  # as Redis refuses such a read ("Invalid stream ID")
+            raise BadPosition(bad)
         result = self._collect(positions, count)
         if not result and block_ms and block_ms > 0:
             try:

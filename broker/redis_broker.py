@@ -28,12 +28,14 @@ from redis.backoff import NoBackoff
 
 from broker.base import (
     START_ID,
+    BadPosition,
     BadStream,
     BrokerError,
     BrokerStats,
     BrokerUnavailable,
     Fields,
     ReadResult,
+    refused_positions,
 )
 
 # Blocking reads must end well before the socket timeout, or a quiet stream looks like a dead
@@ -158,8 +160,15 @@ class RedisBroker:
             with _mapped_errors(self.stats):
                 reply = await self._redis.xread(streams, count=count, block=block)
         except BrokerError as exc:
+            if isinstance(exc, BrokerUnavailable):
+                raise
             if "WRONGTYPE" in str(exc):
                 raise BadStream(await self._non_streams(positions)) from exc
+            # One stream's position can fail the whole multi-stream read ("Invalid stream
+            # ID"): name the streams at fault so that the others are read without them.
+            bad = refused_positions(positions)
+            if bad:
+                raise BadPosition(bad) from exc
             raise
         skip = len(self._stream_prefix)
         out: ReadResult = []

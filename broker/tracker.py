@@ -117,6 +117,14 @@ class Cursor:
         self.gap = None
         self.state = State.ACTIVE
 
+    def restart(self) -> None:
+        """Forget the position (the broker refused it): start over from a snapshot, as when the
+        engine was discovered (its retired epochs stay retired)."""
+        self.position = START_ID
+        self.next_seq = None
+        self.gap = None
+        self.state = State.NEW
+
     def start_without_snapshot(self) -> None:
         """No snapshot exists: read the stream from its start, accepting only a seq-0 start."""
         self.position = START_ID

@@ -11,7 +11,9 @@ from broker_testkit import FoldingSink, Workload, wait_until
 
 import broker
 from broker.base import BrokerUnavailable
+from broker.codec import encode_batch, encode_snapshot
 from broker.consumer import Consumer
+from broker.events import Envelope, RequestStarted, Snapshot
 from broker.redis_broker import RedisBroker
 from broker.tracker import State
 from engine_reporter import Reporter
@@ -284,3 +286,55 @@ async def test_closing_while_redis_is_down_or_restarting_is_bounded(
     await _closed_within("engine's broker", eb.close, 6)
     if restart is not None:
         await restart
+
+
+async def _two_engines(b):
+    reps = [reporter(b, "e1"), reporter(b, "e2")]
+    for rep in reps:
+        await rep.start()
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST)
+    await consumer.start()
+    works = [Workload(21), Workload(22)]
+    for rep, work in zip(reps, works, strict=True):
+        await run_workload(rep, work, 60)
+        assert await converged(sink, rep)
+    return reps, works, sink, consumer
+
+
+@pytest.mark.parametrize("bad_id", ["18446744073709551616-0", "1_000-0"])
+async def test_forged_snapshot_id_is_skipped_and_no_stream_is_wedged(shared, bad_id) -> None:
+    """A snapshot whose stream id Redis refuses, then a gap on its stream: before, the cursor
+    took that id as its position and every multi-stream XREAD failed from then on, so every
+    engine went dead in the router. Now the snapshot is malformed and skipped."""
+    b, raw = shared
+    (e1, e2), (w1, w2), sink, consumer = await _two_engines(b)
+    seq = e1.builder.next_seq
+    forged = Snapshot("e1", e1.epoch, seq, bad_id, ())
+    await raw.set(f"{b.prefix}snap:e1", encode_snapshot(forged))
+    gap = Envelope("e1", e1.epoch, seq + 1, time.time(), RequestStarted("forged"))
+    await raw.xadd(f"{b.prefix}s:e1", encode_batch([gap]))
+    assert await wait_until(lambda: consumer.stats.malformed_by_engine.get("e1", 0) >= 1)
+    await run_workload(e2, w2, 60)
+    assert await converged(sink, e2)
+    await run_workload(e1, w1, 60)  # the engine moves past the gap; its own snapshot covers it
+    assert await converged(sink, e1)
+    assert consumer.stats.malformed_by_engine == {"e1": 1}
+    for c in (consumer, e1, e2):
+        await c.close()
+
+
+async def test_a_position_redis_refuses_stops_only_its_own_stream(shared) -> None:
+    """However a position Redis refuses came about, that stream alone starts over (counted)
+    while the others are read on."""
+    b, _ = shared
+    (e1, e2), (w1, w2), sink, consumer = await _two_engines(b)
+    consumer.cursors["e1"].position = "1_000-0"
+    await run_workload(e2, w2, 60)
+    assert await converged(sink, e2)
+    await run_workload(e1, w1, 60)
+    assert await converged(sink, e1)
+    assert consumer.stats.malformed_by_engine.get("e1", 0) == 1
+    assert "e2" not in consumer.stats.malformed_by_engine
+    for c in (consumer, e1, e2):
+        await c.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from broker.base import parse_id
 from broker.events import Envelope, RequestStarted, Snapshot
 from broker.tracker import Cursor, State, Verdict
 
@@ -75,3 +78,27 @@ def test_retired_epoch_snapshot_is_never_loaded() -> None:
     c.advance("12-0", envs("b", 0, 1)[0])
     c.open_gap("13-0", envs("b", 5, 1)[0])
     assert not c.covered_by(Snapshot("e", "a", 100, "99-0", ()))
+
+
+def test_stream_ids_are_parsed_only_as_redis_accepts_them() -> None:
+    """int() takes "1_000", " 1", "+1", other scripts' digits and any size; Redis refuses them,
+    and one such position (from a snapshot) made every multi-stream XREAD fail."""
+    assert parse_id("0-0") == (0, 0)
+    assert parse_id("17") == (17, 0)
+    top = "18446744073709551615"
+    assert parse_id(f"{top}-{top}") == (2**64 - 1, 2**64 - 1)
+    for bad in (
+        "18446744073709551616-0",
+        "0-18446744073709551616",
+        "1_000-0",
+        " 1-0",
+        "+1-0",
+        "1-",
+        "-1",
+        "",
+        "\u0661-0",  # ARABIC-INDIC DIGIT ONE
+        "0" * 21,
+        "1-2-3",
+    ):
+        with pytest.raises(ValueError):
+            parse_id(bad)
