@@ -7,7 +7,8 @@ next event must carry. :func:`classify` compares an entry against it:
 * all events already seen -> duplicate, skip (a publish that was retried);
 * a new epoch starting at seq 0 -> the engine restarted: reset it, then apply;
 * anything else (seq gap, a new epoch not from its start, a first read of a trimmed stream) ->
-  gap: reset the engine and rebuild it from a snapshot that covers the gap;
+  gap: reset the engine and rebuild it from a snapshot that covers the gap (its epoch's, up to
+  the gap's seq, or any taken after the entry that showed the gap);
 * an epoch this cursor already left behind -> stale, skip (a zombie publisher).
 
 No I/O, no clock: the async shell in :mod:`broker.consumer` does the reading and the timing.
@@ -101,9 +102,13 @@ class Cursor:
         gap = self.gap
         if gap is None:
             return True
-        if snap.epoch == gap.epoch:
-            return snap.seq >= gap.seq
-        # A later epoch's snapshot: it must have been taken after the entry that showed the gap.
+        if snap.epoch == gap.epoch and snap.seq >= gap.seq:
+            return True
+        # Else it must have been taken after the entry that showed the gap: a later epoch's
+        # snapshot, or one of the same epoch that never reached the gap's seq. An engine's
+        # snapshot names the last entry it wrote, every event in it settled, so for a gap it
+        # really made, this follows from the seq; a forged or corrupt jump (seq 2**63) has a
+        # seq the engine never reaches, and waiting for that stopped its stream for good.
         try:
             return parse_id(snap.stream_id) >= parse_id(gap.entry_id)
         except ValueError:

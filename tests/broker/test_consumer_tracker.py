@@ -73,6 +73,19 @@ def test_gap_is_covered_only_by_a_snapshot_reaching_past_it() -> None:
     assert c.state is State.ACTIVE and c.position == "15-0" and c.next_seq == 9
 
 
+def test_a_jump_to_a_seq_the_engine_never_reaches_is_ended_by_a_later_snapshot() -> None:
+    """An entry of the current epoch at seq 2**63: the gap asked for a snapshot of seq >= 2**63
+    - 1, which the engine never publishes, so its stream (heartbeats too) was never read again.
+    A snapshot the engine took after that entry ends it; an earlier one still does not."""
+    c = active("a", 5)
+    assert c.classify(envs("a", 2**63, 1))[0] is Verdict.GAP
+    c.open_gap("20-0", envs("a", 2**63, 1)[0])
+    assert not c.covered_by(Snapshot("e", "a", 7, "19-0", ()))
+    assert c.covered_by(Snapshot("e", "a", 7, "21-0", ()))
+    c.load(Snapshot("e", "a", 7, "21-0", ()))
+    assert c.classify(envs("a", 8, 1)) == (Verdict.APPLY, 0)
+
+
 def test_retired_epoch_snapshot_is_never_loaded() -> None:
     c = active("a", 5)
     c.advance("12-0", envs("b", 0, 1)[0])
