@@ -9,7 +9,10 @@ registry and picked up while running. Per engine:
 2. decode each entry (:mod:`broker.codec`); a malformed one is counted, logged once per engine
    and skipped;
 3. apply events in (epoch, seq) order, each at most once: duplicates are skipped, a new epoch
-   from seq 0 resets the engine, AllCleared resets it before it is applied;
+   from seq 0 resets the engine, AllCleared resets it before it is applied; entries of an epoch
+   left behind are counted (``stale``) and logged (at most every few minutes per engine), and
+   such an epoch that still publishes after its successor has been silent for
+   ``epoch_reclaim_s`` is taken back (``epochs_reclaimed``; a forged restart);
 4. on a gap (seq jump, trimmed stream, lost events) reset the engine and wait for a snapshot that
    covers the gap, asking the engine's reporter for one; then load it and replay after its id.
 
@@ -44,7 +47,7 @@ from broker.base import (
 )
 from broker.codec import CodecError, decode_batch, decode_snapshot
 from broker.events import AllCleared, BlockStored, Envelope, Snapshot
-from broker.tracker import Cursor, State, Verdict
+from broker.tracker import RECLAIM_AFTER_MS, Cursor, State, Verdict
 from kvgate.aio import stop_tasks
 from kvgate.logs import LogOnce
 
@@ -77,6 +80,7 @@ class ConsumerStats:
     resyncs: int = 0
     snapshots_loaded: int = 0
     new_epochs: int = 0
+    epochs_reclaimed: int = 0  # retired epochs taken back from a silent current one
     reconnects: int = 0
     sink_errors: int = 0
     malformed_by_engine: dict[str, int] = field(default_factory=dict)
@@ -104,6 +108,7 @@ class Consumer:
         quarantine_s: float = 30.0,
         backoff_s: tuple[float, float] = (0.05, 2.0),
         catch_up_timeout_s: float = 10.0,
+        epoch_reclaim_s: float = RECLAIM_AFTER_MS / 1000,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.broker = broker
@@ -115,6 +120,7 @@ class Consumer:
         self.snapshot_request_s = snapshot_request_s
         self.quarantine_s = quarantine_s
         self.catch_up_timeout_s = catch_up_timeout_s
+        self.epoch_reclaim_s = epoch_reclaim_s
         self.caught_up = False
         self._discovered = False
         self._catch_up_deadline: float | None = None  # set by the first round
@@ -276,7 +282,9 @@ class Consumer:
                 del self._quarantined[engine_id]
         for engine_id in self._live:
             if engine_id not in self.cursors:
-                self.cursors[engine_id] = Cursor(engine_id)
+                self.cursors[engine_id] = Cursor(
+                    engine_id, reclaim_after_ms=int(self.epoch_reclaim_s * 1000)
+                )
         await self._load_pending_snapshots()
 
     def _quarantine(self, engine_ids: tuple[str, ...]) -> None:
@@ -378,7 +386,7 @@ class Consumer:
                 self._count_malformed(engine_id, f"entry {entry_id}: {exc}")
                 cursor.position = entry_id
                 continue
-            verdict, skip = cursor.classify(envs)
+            verdict, skip = cursor.classify(envs, entry_id)
             if verdict is Verdict.DUPLICATE:
                 stats.duplicates += len(envs)
                 cursor.position = entry_id
@@ -386,7 +394,33 @@ class Consumer:
             if verdict is Verdict.STALE:
                 stats.stale += len(envs)
                 cursor.position = entry_id
+                self._log_once.warning(
+                    f"stale:{engine_id}",
+                    "consumer: skipping entries of engine %s's retired epoch %s (a zombie "
+                    "publisher, unless its current epoch %s is not the engine's: that is taken "
+                    "back from it after %.0f s of silence)",
+                    engine_id,
+                    envs[0].epoch,
+                    cursor.epoch,
+                    cursor.reclaim_after_ms / 1000,
+                )
                 continue
+            if verdict is Verdict.RECLAIM:
+                stats.resyncs += 1
+                stats.epochs_reclaimed += 1
+                log.warning(
+                    "consumer: engine %s's retired epoch %s still publishes (at %s) while its "
+                    "current epoch %s has been silent for %.0f s: taking it back, resyncing "
+                    "from its snapshot",
+                    engine_id,
+                    envs[0].epoch,
+                    entry_id,
+                    cursor.epoch,
+                    cursor.reclaim_after_ms / 1000,
+                )
+                cursor.reclaim(entry_id, envs[0])
+                self._reset(engine_id, now)
+                return True
             if verdict is Verdict.GAP:
                 stats.resyncs += 1
                 gap = cursor.open_gap(entry_id, envs[0])

@@ -9,7 +9,12 @@ next event must carry. :func:`classify` compares an entry against it:
 * anything else (seq gap, a new epoch not from its start, a first read of a trimmed stream) ->
   gap: reset the engine and rebuild it from a snapshot that covers the gap (its epoch's, up to
   the gap's seq, or any taken after the entry that showed the gap);
-* an epoch this cursor already left behind -> stale, skip (a zombie publisher).
+* an epoch this cursor already left behind -> stale, skip (a zombie publisher); but when that
+  epoch is still publishing while the current one has written nothing for ``reclaim_after_ms``
+  of stream time (entry ids carry the broker's clock) -> reclaim: the current epoch was not
+  the engine's (a forged "restart" at seq 0), so the old one is taken back and resynced from a
+  snapshot. A real restart keeps its new epoch: its engine writes (heartbeats at least) far
+  more often than that, and its old process has stopped.
 
 No I/O, no clock: the async shell in :mod:`broker.consumer` does the reading and the timing.
 """
@@ -24,6 +29,8 @@ from broker.base import START_ID, parse_id
 from broker.events import Envelope, Snapshot
 
 RETIRED_EPOCHS = 8  # how many past epochs per engine are remembered as stale
+# a retired epoch that publishes while the current one was silent this long is taken back
+RECLAIM_AFTER_MS = 15_000
 
 
 class Verdict(enum.Enum):
@@ -32,6 +39,7 @@ class Verdict(enum.Enum):
     NEW_EPOCH = "new_epoch"
     GAP = "gap"
     STALE = "stale"
+    RECLAIM = "reclaim"
 
 
 class State(enum.Enum):
@@ -60,11 +68,17 @@ class Cursor:
     state: State = State.NEW
     gap: Gap | None = None
     retired: deque[str] = field(default_factory=lambda: deque(maxlen=RETIRED_EPOCHS))
+    reclaim_after_ms: int = RECLAIM_AFTER_MS
+    # the stream time (ms of an entry id) the current epoch was last seen at
+    current_ms: int = 0
 
-    def classify(self, envs: list[Envelope]) -> tuple[Verdict, int]:
-        """The verdict for one decoded entry and, for APPLY, how many leading events to skip."""
+    def classify(self, envs: list[Envelope], entry_id: str = START_ID) -> tuple[Verdict, int]:
+        """The verdict for one decoded entry (read at ``entry_id``) and, for APPLY, how many
+        leading events to skip."""
         head = envs[0]
         if head.epoch in self.retired:
+            if parse_id(entry_id)[0] - self.current_ms >= self.reclaim_after_ms:
+                return Verdict.RECLAIM, 0
             return Verdict.STALE, 0
         if head.epoch == self.epoch and self.next_seq is not None:
             last = envs[-1].seq
@@ -81,6 +95,7 @@ class Cursor:
         """Record that everything up to ``last`` (in entry ``entry_id``) was applied."""
         self.position = entry_id
         self.next_seq = last.seq + 1
+        self.current_ms = parse_id(entry_id)[0]
         if last.epoch != self.epoch:
             self._switch_epoch(last.epoch)
 
@@ -94,6 +109,15 @@ class Cursor:
         self.gap = Gap(head.epoch, head.seq - 1, entry_id)
         self.state = State.WAITING
         return self.gap
+
+    def reclaim(self, entry_id: str, head: Envelope) -> Gap:
+        """Take back retired epoch ``head.epoch`` (still publishing while the current one is
+        silent) and retire the current one: wait for a snapshot covering everything before
+        ``head``, as after a gap (never one of the epoch retired now)."""
+        self.retired.remove(head.epoch)
+        self._switch_epoch(head.epoch)
+        self.next_seq = None
+        return self.open_gap(entry_id, head)
 
     def covered_by(self, snap: Snapshot) -> bool:
         """Whether ``snap`` can end the current gap (or start a NEW cursor)."""
@@ -118,6 +142,7 @@ class Cursor:
         """Continue after ``snap``: replay entries after its stream id, expecting seq + 1."""
         self._switch_epoch(snap.epoch)
         self.position = snap.stream_id
+        self.current_ms = parse_id(snap.stream_id)[0]
         self.next_seq = snap.seq + 1
         self.gap = None
         self.state = State.ACTIVE

@@ -82,7 +82,11 @@ class EmbeddedRouter:
         self.router = router
         self.broker = broker
         self.clock = clock
-        self.consumer = Consumer(broker, router, clock=clock, **(consumer_options or {}))
+        # a retired epoch is taken back from a current one silent for as long as the router
+        # would take the engine for dead anyway (a real restart's engine heartbeats far sooner)
+        options: dict[str, Any] = {"epoch_reclaim_s": router.config.cluster.heartbeat_ttl_s}
+        options.update(consumer_options or {})
+        self.consumer = Consumer(broker, router, clock=clock, **options)
         self._ready = False
 
     def is_ready(self) -> bool:
@@ -153,9 +157,11 @@ class EmbeddedRouter:
             "blocks": s.blocks,
             "malformed": s.malformed,
             "duplicates": s.duplicates,
+            "stale": s.stale,
             "resyncs": s.resyncs,
             "snapshots_loaded": s.snapshots_loaded,
             "new_epochs": s.new_epochs,
+            "epochs_reclaimed": s.epochs_reclaimed,
             "reconnects": s.reconnects,
             "sink_errors": s.sink_errors,
         }
@@ -231,6 +237,25 @@ class _StateCollector(Collector):
             "kvgate_router_broker_malformed", "Malformed stream entries skipped", s.malformed
         )
         yield CounterMetricFamily("kvgate_router_broker_resyncs", "Engine resyncs", s.resyncs)
+        for name, doc, value in (
+            ("duplicates", "Events already applied, skipped (re-sent batches)", s.duplicates),
+            (
+                "stale",
+                "Events of an engine's retired epoch, skipped (a zombie publisher, or a forged"
+                " restart until its epoch is taken back)",
+                s.stale,
+            ),
+            ("new_epochs", "Engine restarts seen (a new epoch from seq 0)", s.new_epochs),
+            (
+                "epochs_reclaimed",
+                "Retired epochs taken back from a silent current epoch (a forged restart)",
+                s.epochs_reclaimed,
+            ),
+            ("snapshots_loaded", "Engine snapshots loaded", s.snapshots_loaded),
+            ("sink_errors", "Events the router failed to apply (logged)", s.sink_errors),
+            ("reconnects", "Times the broker became reachable again", s.reconnects),
+        ):
+            yield CounterMetricFamily(f"kvgate_router_broker_{name}", doc, value)
         yield CounterMetricFamily(
             "kvgate_router_unknown_profiles",
             "Engines' announcements of a cost profile this router cannot read (it predicts"

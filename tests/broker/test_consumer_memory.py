@@ -309,3 +309,39 @@ async def test_an_entry_far_ahead_in_the_epoch_does_not_stop_the_engine_for_good
     assert not sink.violations
     await consumer.close()
     await rep.close()
+
+
+async def test_a_forged_restart_is_counted_logged_and_the_real_epoch_taken_back(caplog) -> None:
+    """An entry of a made-up epoch at seq 0 looked like a restart: the real epoch was retired
+    and its every entry skipped silently for as long as the engine ran. Now those skips are
+    counted and logged, and once the real epoch has gone on publishing while the made-up one
+    stayed silent (``epoch_reclaim_s`` of stream time; the embedded broker's ids count
+    entries), it is taken back and rebuilt from the engine's snapshot."""
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST, epoch_reclaim_s=0.02)  # 20 entries here
+    await consumer.start()
+    work = Workload(32)
+    await run_workload(rep, work, 50)
+    assert await converged(sink, rep)
+    forged = Envelope("e1", "forged", 0, 1.0, RequestStarted("forged"))
+    await b.append("e1", [encode_batch([forged])])
+    assert await wait_until(lambda: consumer.stats.new_epochs == 1)
+    for _ in range(20):  # entries of the real engine, one at a time
+        await run_workload(rep, work, 1)
+        await asyncio.sleep(0.005)
+    assert await wait_until(lambda: consumer.stats.stale >= 1)
+    assert "retired epoch" in caplog.text
+    for _ in range(20):
+        await run_workload(rep, work, 5)
+        if await wait_until(lambda: consumer.stats.epochs_reclaimed == 1, 0.2):
+            break
+    await run_workload(rep, work, 20)
+    assert await converged(sink, rep)
+    assert sink.state("e1") == set(work.cached)
+    assert consumer.cursors["e1"].epoch == rep.epoch
+    assert consumer.stats.epochs_reclaimed == 1
+    await consumer.close()
+    await rep.close()

@@ -115,3 +115,42 @@ def test_stream_ids_are_parsed_only_as_redis_accepts_them() -> None:
     ):
         with pytest.raises(ValueError):
             parse_id(bad)
+
+
+def test_a_retired_epoch_publishing_while_the_current_is_silent_is_taken_back() -> None:
+    """A forged epoch at seq 0 retired the engine's real one, whose every entry was then stale
+    for good. Once the real epoch has published for ``reclaim_after_ms`` of stream time past
+    the forged epoch's last entry, it is taken back and resynced from its snapshot."""
+    c = Cursor("e", reclaim_after_ms=5000)
+    c.load(Snapshot("e", "real", 4, "1000-0", ()))
+    forged = envs("forged", 0, 1)
+    assert c.classify(forged, "2000-0")[0] is Verdict.NEW_EPOCH
+    c.advance("2000-0", forged[-1])
+    assert c.classify(envs("real", 5, 1), "4000-0")[0] is Verdict.STALE
+    assert c.classify(envs("real", 9, 1), "6999-0")[0] is Verdict.STALE
+    head = envs("real", 10, 1)
+    assert c.classify(head, "7000-0")[0] is Verdict.RECLAIM
+    gap = c.reclaim("7000-0", head[0])
+    assert (gap.epoch, gap.seq, c.state) == ("real", 9, State.WAITING)
+    assert not c.covered_by(Snapshot("e", "forged", 0, "7500-0", ()))  # (the forged one's)
+    assert c.covered_by(Snapshot("e", "real", 10, "7001-0", ()))
+    c.load(Snapshot("e", "real", 10, "7001-0", ()))
+    assert c.epoch == "real" and "forged" in c.retired
+    assert c.classify(envs("real", 11, 1), "7002-0") == (Verdict.APPLY, 0)
+    assert c.classify(envs("forged", 1, 1), "7003-0")[0] is Verdict.STALE
+
+
+def test_a_real_restart_keeps_its_epoch_while_a_zombie_of_the_old_one_publishes() -> None:
+    """An engine restarted for real writes (heartbeats at least) far more often than the
+    reclaim window: its old process's late entries stay stale however long they go on."""
+    c = Cursor("e", reclaim_after_ms=5000)
+    c.load(Snapshot("e", "old", 4, "1000-0", ()))
+    new = envs("new", 0, 1)
+    assert c.classify(new, "2000-0")[0] is Verdict.NEW_EPOCH
+    c.advance("2000-0", new[-1])
+    for t in range(1, 30):  # 29 s: the new epoch every second, the zombie in between
+        assert c.classify(envs("old", 4 + t, 1), f"{2000 + 1000 * t - 500}-0")[0] is Verdict.STALE
+        batch = envs("new", t, 1)
+        assert c.classify(batch, f"{2000 + 1000 * t}-0") == (Verdict.APPLY, 0)
+        c.advance(f"{2000 + 1000 * t}-0", batch[-1])
+    assert c.epoch == "new"

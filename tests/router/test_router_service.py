@@ -15,7 +15,8 @@ import pytest
 from aiohttp import web
 
 import broker as broker_mod
-from broker.events import BlockRemoved, BlockStored, LoadHeartbeat, RequestFinished
+from broker.codec import encode_batch
+from broker.events import BlockRemoved, BlockStored, Envelope, LoadHeartbeat, RequestFinished
 from engine_reporter import Reporter
 from engine_reporter.hashing import chain_hashes, split_blocks
 from router.api import RouteRequest
@@ -253,6 +254,45 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
         await broker.close()
     with pytest.raises(RouterUnavailable):
         await RemoteRouter(base, timeout_s=0.5).route(req("x", b"k"))
+
+
+async def test_stale_and_other_consumer_counters_are_exported() -> None:
+    """Entries of a retired epoch were skipped with nothing in /state or /metrics to show it
+    (nor sink errors, duplicates or reconnects in /metrics)."""
+    broker = await broker_mod.connect("memory://")
+    rep = Reporter(broker, "eng0", flush_interval_s=0.002)
+    await rep.start()
+    router = Router(RouterConfig("e2"), random.Random(0))
+    service = EmbeddedRouter(router, broker, consumer_options=FAST)
+    assert service.consumer.epoch_reclaim_s == router.config.cluster.heartbeat_ttl_s
+    runner, base = await serve_router(service)
+    try:
+        rep.emit(heartbeat("eng0", "http://127.0.0.1:9/v1"))
+        await until(service.is_ready)
+        forged = Envelope("eng0", "forged", 0, time.time(), heartbeat("eng0"))
+        await broker.append("eng0", [encode_batch([forged])])
+        await until(lambda: service.consumer.stats.new_epochs == 1)
+        rep.emit(heartbeat("eng0", "http://127.0.0.1:9/v1"))
+        await until(lambda: service.consumer.stats.stale == 1)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/state") as resp:
+                b = (await resp.json())["broker"]
+                assert (b["stale"], b["new_epochs"], b["epochs_reclaimed"]) == (1, 1, 0)
+            async with http.get(f"{base}/metrics") as resp:
+                text = await resp.text()
+            for name, value in (
+                ("stale", 1),
+                ("new_epochs", 1),
+                ("epochs_reclaimed", 0),
+                ("duplicates", 0),
+                ("sink_errors", 0),
+                ("reconnects", 0),
+            ):
+                assert f"kvgate_router_broker_{name}_total {float(value)}" in text, name
+    finally:
+        await runner.cleanup()
+        await rep.close()
+        await broker.close()
 
 
 async def test_router_is_not_ready_until_it_knows_an_engine_and_says_so() -> None:
