@@ -30,7 +30,11 @@ The default decode fit is derived from memory traffic, not measured here: Mistra
 request; b = 0.08 ms of per-sequence work; c = 0. Replace it with a fit from a real engine.
 
 Speed variants: ``NAME@xK`` names profile ``NAME`` with every time multiplied by ``K`` (``@x2``:
-an engine twice as slow, ``@x0.5`` twice as fast), e.g. for a heterogeneous simulated fleet.
+an engine twice as slow, ``@x0.5`` twice as fast), e.g. for a heterogeneous simulated fleet;
+``K`` from ``MIN_SPEED_FACTOR`` (0.01) to ``MAX_SPEED_FACTOR`` (100).
+
+Every number of a profile is finite and a one-token prefill takes time: profiles also come off
+the wire (an engine's heartbeat), and one priced free takes every request.
 
 Token rule (shared with the router): a request's token count is ``ceil(len(key_bytes) /
 bytes_per_token)``, at least 1; kvgate's engine caches blocks of ``block_tokens`` tokens, i.e.
@@ -57,6 +61,10 @@ DEFAULT_PROFILE = "mistral-7b-a6000"
 
 
 MONOTONE_CHECK_TOKENS = 131_072  # prefill curves are checked to grow up to here
+# NAME@xK: the speed factors a profile variant may have (an engine 100x off its profile is
+# another engine type; 1e-300 made one engine look free and take every request)
+MIN_SPEED_FACTOR = 0.01
+MAX_SPEED_FACTOR = 100.0
 
 
 class ProfileError(ValueError):
@@ -135,6 +143,20 @@ class CostProfile:
             raise ProfileError(f"{self.name}: segments must be sorted by min_tokens, descending")
         if self.segments[-1].min_tokens != 0:
             raise ProfileError(f"{self.name}: the last segment must start at 0 tokens")
+        # Every number finite: a profile comes off the wire too (inline JSON in a heartbeat),
+        # and an efficiency of inf (or a coefficient of -inf, or nan) made an engine's every
+        # prefill free, so it took all the traffic.
+        for value, what in (
+            (self.efficiency, "efficiency"),
+            (self.attn_threshold, "attention threshold"),
+            (self.attn_n, "attention n"),
+            (self.attn_c, "attention c"),
+            (self.attn_nc, "attention nc"),
+            *((c, f"prefill coefficient {i} of segment {seg.min_tokens}") for seg in
+              self.segments for i, c in enumerate(seg.coef)),
+        ):  # fmt: skip
+            if not math.isfinite(value):
+                raise ProfileError(f"{self.name}: {what} = {value!r}: must be a finite number")
         for value, what in (
             (self.efficiency, "efficiency"),
             (self.kv_blocks, "kv_blocks"),
@@ -146,6 +168,11 @@ class CostProfile:
             if not value > 0:
                 raise ProfileError(f"{self.name}: {what} must be positive")
         self._check_prefill_grows()
+        if not segments_ms(self.segments, 1) > 0:
+            raise ProfileError(
+                f"{self.name}: a one-token prefill takes {segments_ms(self.segments, 1)!r} ms: "
+                "a prefill must take time (a curve below 0 is priced free at every length)"
+            )
         self._check_decode_grows()
 
     def _check_prefill_grows(self) -> None:
@@ -227,8 +254,11 @@ class CostProfile:
     def slowed(self, factor: float) -> CostProfile:
         """This profile with every prefill and decode time multiplied by ``factor`` (named
         ``NAME@xFACTOR``): the same engine type on hardware ``factor`` times slower."""
-        if not (factor > 0 and math.isfinite(factor)):
-            raise ProfileError(f"{self.name}: a speed factor must be a positive number")
+        if not MIN_SPEED_FACTOR <= factor <= MAX_SPEED_FACTOR:  # (also false for nan)
+            raise ProfileError(
+                f"{self.name}: a speed factor must be a positive number from "
+                f"{MIN_SPEED_FACTOR:g} to {MAX_SPEED_FACTOR:g}, not {factor!r}"
+            )
         if factor == 1:
             return self
         return replace(
@@ -300,32 +330,53 @@ class CostProfile:
             attn = pre.get("attn", {})
             dec = data["decode"]
             segments = tuple(
-                PrefillSegment(int(s["min_tokens"]), tuple(float(c) for c in s["coef"]))
+                PrefillSegment(
+                    _integer(s["min_tokens"], "min_tokens"),
+                    tuple(_number(c, "prefill coefficient") for c in s["coef"]),
+                )
                 for s in pre["segments"]
             )
             return cls(
                 name=str(data["name"]),
                 description=str(data.get("description", "")),
                 segments=tuple(sorted(segments, key=lambda s: -s.min_tokens)),
-                attn_threshold=float(attn.get("threshold", 1024.0**2)),
-                attn_n=float(attn.get("n", 0.0)),
-                attn_c=float(attn.get("c", 0.0)),
-                attn_nc=float(attn.get("nc", 0.0)),
-                efficiency=float(pre.get("efficiency", 1.0)),
-                decode_a=float(dec["a"]),
-                decode_b=float(dec["b"]),
-                decode_c=float(dec["c"]),
-                decode_d=float(dec["d"]),
-                kv_blocks=int(data["kv_blocks"]),
-                block_tokens=int(data["block_tokens"]),
-                bytes_per_token=int(data.get("bytes_per_token", 4)),
-                max_batch_tokens=int(data.get("max_batch_tokens", 4096)),
-                max_running=int(data.get("max_running", 256)),
+                attn_threshold=_number(attn.get("threshold", 1024.0**2), "attn.threshold"),
+                attn_n=_number(attn.get("n", 0.0), "attn.n"),
+                attn_c=_number(attn.get("c", 0.0), "attn.c"),
+                attn_nc=_number(attn.get("nc", 0.0), "attn.nc"),
+                efficiency=_number(pre.get("efficiency", 1.0), "efficiency"),
+                decode_a=_number(dec["a"], "decode.a"),
+                decode_b=_number(dec["b"], "decode.b"),
+                decode_c=_number(dec["c"], "decode.c"),
+                decode_d=_number(dec["d"], "decode.d"),
+                kv_blocks=_integer(data["kv_blocks"], "kv_blocks"),
+                block_tokens=_integer(data["block_tokens"], "block_tokens"),
+                bytes_per_token=_integer(data.get("bytes_per_token", 4), "bytes_per_token"),
+                max_batch_tokens=_integer(data.get("max_batch_tokens", 4096), "max_batch_tokens"),
+                max_running=_integer(data.get("max_running", 256), "max_running"),
             )
         except ProfileError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProfileError(f"malformed profile: {exc!r}") from exc
+
+
+def _number(value: object, what: str) -> float:
+    """A JSON number that is finite (float() took the strings "inf" and "nan", and bools)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{what} = {value!r}: must be a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ProfileError(f"{what} = {value!r}: must be a finite number")
+    return out
+
+
+def _integer(value: object, what: str) -> int:
+    """A JSON integer (an integral float such as 4096.0 too)."""
+    out = _number(value, what)
+    if out != int(out):
+        raise ProfileError(f"{what} = {value!r}: must be a whole number")
+    return int(out)
 
 
 def load_profile(name_or_path: str) -> CostProfile:
