@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, lru_cache
 from pathlib import Path
@@ -417,6 +417,48 @@ def default_profile() -> CostProfile:
     return load_profile(DEFAULT_PROFILE)
 
 
+@cache
+def builtin_profile_names() -> frozenset[str]:
+    """The names of the profiles shipped in ``kvgate/profiles/`` (read once)."""
+    return frozenset(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+MAX_VARIANT_DEPTH = 4  # NAME@xK@xK...: how many speed factors a wire name may stack
+
+
+def resolve_announced(spec: str, known: Mapping[str, CostProfile] | None = None) -> CostProfile:
+    """The profile an engine's heartbeat names (``LoadHeartbeat.profile``), never read from a
+    path: wire input named files on the router's host before (a directory, a name with a NUL,
+    a FIFO that blocked the router for good). One of: inline JSON; a profile in ``known`` (what
+    the router was given at startup: its default, its static engines', ``--engine-profile``),
+    by its name or by the spec it was given as; a built-in name; ``NAME@xK`` of any of these.
+    Anything else raises ProfileError."""
+    if spec.startswith("{"):
+        return _inline_profile(spec)
+    return _resolve_named(spec, known or {}, 0)
+
+
+def _resolve_named(spec: str, known: Mapping[str, CostProfile], depth: int) -> CostProfile:
+    found = known.get(spec)
+    if found is not None:
+        return found
+    base, at, factor = spec.rpartition("@x")
+    if at and base:
+        if depth >= MAX_VARIANT_DEPTH:
+            raise ProfileError(f"{spec[:80]!r}: more than {MAX_VARIANT_DEPTH} speed factors")
+        try:
+            k = float(factor)
+        except ValueError:
+            raise ProfileError(f"{spec[:80]!r}: want NAME@xFACTOR, e.g. NAME@x2") from None
+        return _resolve_named(base, known, depth + 1).slowed(k)
+    if spec in builtin_profile_names():
+        return load_profile(spec)
+    raise ProfileError(
+        f"unknown profile {spec[:80]!r}: not built in ({', '.join(sorted(builtin_profile_names()))}"
+        "), not given to this router, not inline JSON"
+    )
+
+
 def announced_profile(profile: CostProfile) -> str:
     """How an engine names its profile to routers (``LoadHeartbeat.profile``): the name, where
     loading that name gives this very profile (a built-in, or ``NAME@xK`` of one); else the
@@ -425,7 +467,7 @@ def announced_profile(profile: CostProfile) -> str:
     predicted with the default profile: in the vLLM routing benchmark's replica, the tiny
     profile under a name no router knew cut e2's hit rate from 0.874 to 0.768."""
     try:
-        if load_profile(profile.name) == profile:
+        if resolve_announced(profile.name) == profile:  # (what any router resolves alike)
             return profile.name
     except ProfileError:
         pass

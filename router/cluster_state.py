@@ -16,14 +16,13 @@ from broker.events import ROLES
 from kvgate.cost_model import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_KV_LINK_GBPS,
-    DEFAULT_PROFILE,
     CostProfile,
     KvLink,
     OutputFit,
     ProfileError,
     TtftReference,
-    default_profile,
     load_profile,
+    resolve_announced,
 )
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
@@ -55,6 +54,9 @@ class ClusterConfig:
     tpot_samples: int = 200
     tpot_seed_ms: float = 150.0
     default_profile: str = "mistral-7b-a6000"
+    # profiles (names or paths on the router's host, the operator's) that engines may announce
+    # by name, beside the built-in ones; read once at startup, never a path off the wire
+    profiles: tuple[str, ...] = ()
     # fit each engine's real prefill/decode speed from its reports (kvgate.cost_model.SpeedFit);
     # off: trust the announced profiles (the ablation of docs/router.md)
     fit_speed: bool = True
@@ -177,6 +179,12 @@ class ClusterState:
         self._replicas: dict[int, tuple[frozenset[str], float]] = {}
         self.events: dict[str, int] = {}
         self.unknown_profiles = 0
+        # the profiles the operator gave this router (read here, once): engines' heartbeats may
+        # name them (by their names or as given); wire input never names a file
+        self._known_profiles: dict[str, CostProfile] = {}
+        self._default_profile = self.know_profile(c.default_profile)
+        for spec in c.profiles:
+            self.know_profile(spec)
         self.moves = 0
         self.replications = 0
         self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
@@ -206,23 +214,32 @@ class ClusterState:
     def _engine(self, engine_id: str) -> _Engine:
         eng = self.engines.get(engine_id)
         if eng is None:
-            eng = _Engine(engine_id, self._profile(self.config.default_profile))
+            eng = _Engine(engine_id, self._default_profile)
             eng.tpot_ms = self.config.tpot_seed_ms
             eng.seq = len(self.engines)
             self.engines[engine_id] = eng
             self._load_dirty[engine_id] = eng
         return eng
 
+    def know_profile(self, spec: str) -> CostProfile:
+        """Load a profile the operator gave (a name or a path on this host; raises ProfileError)
+        and let engines name it, by its name or by ``spec``."""
+        profile = load_profile(spec)
+        self._known_profiles[spec] = profile
+        self._known_profiles.setdefault(profile.name, profile)
+        return profile
+
     def _profile(self, spec: str) -> CostProfile:
-        """The profile an engine announces (a name, a path or inline JSON); one this router
-        cannot read is counted and logged, and the default profile stands in."""
+        """The profile an engine announces (:func:`kvgate.cost_model.resolve_announced`: a
+        built-in or known name, ``NAME@xK`` of one, or inline JSON; never a path); any other is
+        counted and logged, and the default profile stands in."""
         try:
-            return load_profile(spec)
+            return resolve_announced(spec, self._known_profiles)
         except ProfileError as exc:
             self.unknown_profiles += 1
             log.warning("unknown engine profile %.80r (%s): predicting with %s", spec, exc,
-                        DEFAULT_PROFILE)  # fmt: skip
-            return default_profile()
+                        self._default_profile.name)  # fmt: skip
+            return self._default_profile
 
     def add_static_engine(
         self, engine_id: str, url: str, models: Iterable[str], profile: str, role: str = "both"
@@ -232,7 +249,7 @@ class ClusterState:
         eng.static = True
         eng.url = url
         eng.models = tuple(models)
-        eng.profile = self._profile(profile)
+        eng.profile = self.know_profile(profile)  # (the operator's: a path is fine)
         eng.view = None
         self._membership += 1  # (also: the eligible set's profiles are cached with it)
 

@@ -47,6 +47,15 @@ def add_router_options(group: Any) -> None:
         help="build the cache map from routing decisions only (engines without reporters)",
     )
     group.add_argument(
+        "--engine-profile",
+        dest="engine_profiles",
+        action="append",
+        default=[],
+        metavar="NAME_OR_PATH",
+        help="a cost profile (a file on this host, or a name) that engines may announce by its "
+        "name, beside the built-in ones (repeatable; a heartbeat never names a file itself)",
+    )
+    group.add_argument(
         "--no-fit-speed",
         dest="fit_speed",
         action="store_false",
@@ -109,5 +118,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         fit_speed=args.fit_speed,
         fit_gateway_ttft=args.fit_gateway_ttft,
         fit_relative_ttft=args.fit_relative_ttft,
+        profiles=tuple(args.engine_profiles),
     )
     return RouterConfig(args.policy, options, cluster)

@@ -10,8 +10,9 @@ import orjson
 import pytest
 
 from broker.events import Envelope, LoadHeartbeat
-from kvgate.cost_model import DEFAULT_PROFILE, ProfileError, load_profile
+from kvgate.cost_model import DEFAULT_PROFILE, ProfileError, announced_profile, load_profile
 from router.api import RouteRequest
+from router.cluster_state import ClusterConfig
 from router.core import Router, RouterConfig
 
 
@@ -83,3 +84,89 @@ def test_profiles_are_built_only_from_finite_numbers() -> None:
         with pytest.raises(ProfileError):
             base.slowed(factor)
     assert base.slowed(0.1).name == f"{DEFAULT_PROFILE}@x0.1"
+
+
+def _apply_hb(r: Router, profile: str) -> None:
+    r.apply(Envelope("bad", "ep", 0, 100.0, hb(profile, "http://bad")), 100.0)
+
+
+@pytest.mark.parametrize("name", ["/usr/lib/python3.11", "a\x00b"])
+def test_a_heartbeat_never_names_a_file_on_the_router_host(name) -> None:
+    """A directory raised IsADirectoryError and a NUL ValueError out of the profile lookup
+    (the heartbeat dropped as a sink error); now such a name is an unknown profile."""
+    r = Router(RouterConfig("e2"), random.Random(1))
+    _apply_hb(r, name)
+    assert r.cluster.unknown_profiles == 1
+    assert r.cluster.engines["bad"].heartbeat is not None  # (the heartbeat itself applied)
+    assert r.cluster.engines["bad"].profile == load_profile(DEFAULT_PROFILE)
+
+
+def test_a_fifo_named_by_a_heartbeat_is_never_opened(tmp_path) -> None:
+    """A FIFO path blocked Router.apply for good (the file read synchronously)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "profile.json"
+    os.mkfifo(fifo)
+    r = Router(RouterConfig("e2"), random.Random(1))
+    done = threading.Thread(target=_apply_hb, args=(r, str(fifo)), daemon=True)
+    done.start()
+    done.join(5)
+    if done.is_alive():  # release the blocked reader before failing
+        with open(fifo, "wb"):
+            pass
+        done.join(5)
+        pytest.fail("Router.apply blocked on a FIFO a heartbeat named")
+    assert r.cluster.unknown_profiles == 1
+
+
+def test_a_profile_file_is_known_only_when_the_operator_gives_it(tmp_path) -> None:
+    """A file on the router's host: a heartbeat naming its path is unknown, but one given at
+    startup (ClusterConfig.profiles, ``--engine-profile``) is named by its name, by the path
+    it was given as, or NAME@xK of it; built-in names and their variants keep working."""
+    d = load_profile(DEFAULT_PROFILE).to_dict()
+    d["name"] = "my-gpu"
+    d["prefill"]["efficiency"] = 0.5
+    path = tmp_path / "my-gpu.json"
+    path.write_bytes(orjson.dumps(d))
+    plain = Router(RouterConfig("e2"), random.Random(1))
+    _apply_hb(plain, str(path))
+    assert plain.cluster.unknown_profiles == 1
+    cfg = RouterConfig("e2", cluster=ClusterConfig(profiles=(str(path),)))
+    for name, want in (
+        ("my-gpu", "my-gpu"),
+        (str(path), "my-gpu"),
+        ("my-gpu@x2", "my-gpu@x2"),
+        ("vllm-cpu-tiny@x3", "vllm-cpu-tiny@x3"),
+        (DEFAULT_PROFILE, DEFAULT_PROFILE),
+    ):
+        r = Router(cfg, random.Random(1))
+        _apply_hb(r, name)
+        assert (r.cluster.unknown_profiles, r.cluster.engines["bad"].profile.name) == (0, want)
+    with pytest.raises(ProfileError):  # the operator's own mistake fails at startup
+        Router(
+            RouterConfig("e2", cluster=ClusterConfig(profiles=("/nonexistent.json",))),
+            random.Random(1),
+        )
+
+
+def test_wire_names_resolve_without_the_filesystem() -> None:
+    from kvgate.cost_model import resolve_announced
+
+    with pytest.raises(ProfileError, match="speed factors"):
+        resolve_announced(DEFAULT_PROFILE + "@x1" * 5)
+    with pytest.raises(ProfileError):
+        resolve_announced("@x@x2")
+    assert resolve_announced(DEFAULT_PROFILE + "@x2@x2").name == DEFAULT_PROFILE + "@x2@x2"
+    assert announced_profile(load_profile(DEFAULT_PROFILE)) == DEFAULT_PROFILE
+
+
+def test_engine_profile_flag_gives_the_router_a_profile(tmp_path) -> None:
+    import argparse
+
+    from router.options import add_router_options, router_config
+
+    parser = argparse.ArgumentParser()
+    add_router_options(parser)
+    args = parser.parse_args(["--engine-profile", "/p/a.json", "--engine-profile", "b"])
+    assert router_config(args).cluster.profiles == ("/p/a.json", "b")
