@@ -140,6 +140,11 @@ class Consumer:
         # when the broker last answered one of its reads (monotonic; None: not yet): proof it
         # is up that a health ping timing out on a busy event loop does not outweigh
         self.answered_at: float | None = None
+        # when a round (discovery, snapshots, one read of every stream) last completed, and when
+        # the consumer started (monotonic): a consumer whose rounds all fail (a broker error
+        # that is not an outage) is connected yet reads nothing; health checks look at this
+        self.round_at: float | None = None
+        self.started_at: float | None = None
         self._log_once = LogOnce(log)
         self._load_snapshot = getattr(sink, "load_snapshot", None)
 
@@ -148,6 +153,7 @@ class Consumer:
     async def start(self) -> None:
         """Start following streams in the background (a broker that is down is waited for)."""
         if self._task is None:
+            self.started_at = time.monotonic()
             self._task = asyncio.create_task(self._run(), name="kvgate-consumer")
 
     async def close(self, *, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
@@ -160,6 +166,15 @@ class Consumer:
     @property
     def connected(self) -> bool:
         return not self._down
+
+    def stalled_s(self, bound_s: float) -> float | None:
+        """Seconds since the last completed round (or since start, before the first) when that
+        is over ``bound_s``, else None: reads that keep failing, whatever the reason."""
+        last = self.round_at if self.round_at is not None else self.started_at
+        if last is None:
+            return None
+        idle = time.monotonic() - last
+        return idle if idle > bound_s else None
 
     def engines_in(self, state: State) -> list[str]:
         return sorted(e for e, c in self.cursors.items() if c.state is state)
@@ -222,14 +237,17 @@ class Consumer:
             if any(c.state is not State.ACTIVE for c in self.cursors.values()):
                 wait = min(wait, self.snapshot_poll_s)
             await asyncio.sleep(wait)
+            self.round_at = time.monotonic()
             return 0
         try:
             result = await self.broker.read(positions, count=self.count, block_ms=block_ms)
         except BadStream as exc:
             self._quarantine(exc.engine_ids)
+            self.round_at = time.monotonic()
             return 0
         except BadPosition as exc:
             self._restart(exc.engine_ids, positions)
+            self.round_at = time.monotonic()
             return 0
         self.answered_at = time.monotonic()
         entries = 0
@@ -246,6 +264,7 @@ class Consumer:
                 self._set_caught_up()  # this read reached the end of every stream
             elif time.monotonic() >= deadline:
                 self._set_caught_up()
+        self.round_at = time.monotonic()
         return entries
 
     def _pending_engines(self) -> list[str]:

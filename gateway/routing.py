@@ -65,7 +65,8 @@ def embedded_stats(service: Any, broker: Any) -> StatsProvider:
         try:
             b = service.state().get("broker") or {}
             lag = b.get("lag_s")
-            ok = bool(b.get("connected", True))
+            # (stalled: connected, yet its reads keep failing: the view is frozen all the same)
+            ok = bool(b.get("connected", True)) and not b.get("stalled", False)
             answered = b.get("answered_s_ago")
         except Exception:
             pass

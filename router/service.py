@@ -12,6 +12,14 @@ at least one live engine; it stays ready after that (a later outage is the degra
 business). Before, ``POST /route`` waits up to ``READY_WAIT_S`` for it, then answers 503 with
 ``Retry-After``, and ``GET /ready`` answers 503: never a decision made on a half-rebuilt state.
 
+With zero live engines: a router that never knew one is not ready (nothing to route to yet; a
+gateway in front waits or answers 503 itself). One that knew engines stays ready when they all
+go: every replica sees the same fleet, and taking them all out of a Kubernetes Service would
+only turn the router's own answer (its decision without an engine, a shed) into connection
+errors. ``GET /health`` and ``GET /ready`` answer 503 with a reason while the broker is
+unreachable or the consumer has completed no round of reads for ``stall_s`` (``STALL_S``, 30 s:
+reads that keep failing, say on a position the broker refuses, while discovery still works).
+
 HTTP API (JSON; shapes in :mod:`router.wire`; bad input -> 400 ``{"error": {...}}``):
 
 * ``POST /route``: a RouteRequest with the key base64-encoded in ``key_b64`` -> a Decision;
@@ -19,8 +27,8 @@ HTTP API (JSON; shapes in :mod:`router.wire`; bad input -> 400 ``{"error": {...}
 * ``POST /first_token``: ``{"request_id", "engine_id", "ttft_ms"}`` (the gateway's TTFT of a
   streamed answer) -> ``{"folded": bool}`` (only for an engine that sends no request events);
 * ``GET /engines``, ``GET /state``, ``GET /metrics`` (Prometheus), ``GET /health`` (200 while
-  the broker is reachable), ``GET /ready`` (200 once ready and while the broker is reachable:
-  the readiness probe);
+  the broker is reachable and the consumer's reads complete; else 503 with ``reason``),
+  ``GET /ready`` (200 once ready and while healthy: the readiness probe);
 * ``POST /engines/{engine_id}/drain`` and ``/undrain``.
 """
 
@@ -63,6 +71,9 @@ T = TypeVar("T")
 MAX_BODY_BYTES = 96 << 20  # a 64 MiB key, base64-encoded, plus the envelope
 READY_WAIT_S = 0.5  # /route before ready: wait this long (below a gateway's route timeout)
 READY_POLL_S = 0.02
+# /health and /ready: a consumer that completed no round of reads for this long is stalled (a
+# round is bounded by the broker's blocking read, 5 s at most, and its 10-s socket timeout)
+STALL_S = 30.0
 LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3,
 )  # fmt: skip
@@ -78,8 +89,10 @@ class EmbeddedRouter:
         *,
         clock: Callable[[], float] = time.time,
         consumer_options: dict[str, Any] | None = None,
+        stall_s: float = STALL_S,
     ) -> None:
         self.router = router
+        self.stall_s = stall_s
         self.broker = broker
         self.clock = clock
         # a retired epoch is taken back from a current one silent for as long as the router
@@ -98,6 +111,16 @@ class EmbeddedRouter:
             self._ready = True
             log.info("router ready: caught up with the broker, %d live engines", alive)
         return self._ready
+
+    def problem(self) -> str | None:
+        """Why the router's view of the engines is not live (its broker unreachable, or its
+        consumer's reads failing for ``stall_s``), or None."""
+        if not self.consumer.connected:
+            return "the router's broker is unreachable"
+        stalled = self.consumer.stalled_s(self.stall_s)
+        if stalled is not None:
+            return f"the router's consumer has completed no read of the broker for {stalled:.0f} s"
+        return None
 
     async def ready(self) -> bool:
         """:meth:`is_ready` (the gateway's routing services answer this asynchronously)."""
@@ -150,6 +173,12 @@ class EmbeddedRouter:
                 if (answered := self.consumer.answered_at) is not None
                 else None
             ),
+            "round_s_ago": (
+                round(time.monotonic() - last, 3)
+                if (last := self.consumer.round_at) is not None
+                else None
+            ),
+            "stalled": self.consumer.stalled_s(self.stall_s) is not None,
             "caught_up": self.consumer.caught_up,
             "lag_s": round(s.lag_s, 6),
             "entries": s.entries,
@@ -286,15 +315,14 @@ async def _parsed(request: web.Request, parse: Callable[[Any], T]) -> T | web.Re
 
 
 def _not_ready(service: EmbeddedRouter) -> web.Response:
-    """503 with Retry-After: the router is catching up with the broker, or knows no engine."""
+    """503 with Retry-After: the router's broker or consumer has a problem, the router is
+    catching up with the broker, or it knows no engine yet."""
     caught_up = service.consumer.caught_up
     connected = service.consumer.connected
     why = (
-        "the router's broker is unreachable"
-        if not connected
-        else "the router knows no live engine yet"
-        if caught_up
-        else "the router is catching up with the broker"
+        service.problem()
+        or (caught_up and "the router knows no live engine yet")
+        or "the router is catching up with the broker"
     )
     body = {
         "ready": False,
@@ -372,14 +400,18 @@ def create_app(service: EmbeddedRouter, *, manage_consumer: bool = True) -> web.
     async def health(request: web.Request) -> web.Response:
         now = service.clock()
         alive = sum(1 for e in router.engines(now) if e.alive)
-        ok = service.consumer.connected
-        return _json(
-            {"status": "ok" if ok else "degraded", "broker_connected": ok, "engines_alive": alive},
-            200 if ok else 503,
-        )
+        problem = service.problem()
+        body: dict[str, Any] = {
+            "status": "degraded" if problem else "ok",
+            "broker_connected": service.consumer.connected,
+            "engines_alive": alive,
+        }
+        if problem:
+            body["reason"] = problem
+        return _json(body, 503 if problem else 200)
 
     async def ready(request: web.Request) -> web.Response:
-        if service.is_ready() and service.consumer.connected:
+        if service.is_ready() and service.problem() is None:
             return _json({"ready": True, "broker_connected": True})
         return _not_ready(service)
 

@@ -15,8 +15,10 @@ import pytest
 from aiohttp import web
 
 import broker as broker_mod
+from broker.base import BrokerError
 from broker.codec import encode_batch
 from broker.events import BlockRemoved, BlockStored, Envelope, LoadHeartbeat, RequestFinished
+from broker.memory import MemoryBroker
 from engine_reporter import Reporter
 from engine_reporter.hashing import chain_hashes, split_blocks
 from router.api import RouteRequest
@@ -289,6 +291,52 @@ async def test_stale_and_other_consumer_counters_are_exported() -> None:
                 ("reconnects", 0),
             ):
                 assert f"kvgate_router_broker_{name}_total {float(value)}" in text, name
+    finally:
+        await runner.cleanup()
+        await rep.close()
+        await broker.close()
+
+
+async def test_health_and_ready_fail_when_the_consumer_completes_no_read() -> None:
+    """Discovery answered but every read failed (a broker error that is not an outage, as a
+    position the broker refused once caused): the consumer counted as connected and /health
+    and /ready stayed 200 while every engine went dead. Now both are 503 with a reason once no
+    round of reads completed for ``stall_s``."""
+
+    class FailingReads(MemoryBroker):
+        fail = False
+
+        async def read(self, positions, *, count=1000, block_ms=None):  # type: ignore[override]
+            if self.fail:
+                raise BrokerError("redis error: ResponseError: Invalid stream ID")
+            return await super().read(positions, count=count, block_ms=block_ms)
+
+    broker = FailingReads()
+    rep = Reporter(broker, "eng0", flush_interval_s=0.002)
+    await rep.start()
+    router = Router(RouterConfig("e2"), random.Random(0))
+    service = EmbeddedRouter(router, broker, consumer_options=FAST, stall_s=0.5)
+    runner, base = await serve_router(service)
+    try:
+        rep.emit(heartbeat("eng0", "http://127.0.0.1:9/v1"))
+        await until(service.is_ready)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/health") as resp:
+                assert resp.status == 200
+            broker.fail = True
+            await asyncio.sleep(1.0)
+            assert service.consumer.connected  # (not an outage: the broker answers)
+            async with http.get(f"{base}/health") as resp:
+                body = await resp.json()
+                assert resp.status == 503 and "completed no read" in body["reason"]
+            async with http.get(f"{base}/ready") as resp:
+                assert resp.status == 503
+                assert "completed no read" in (await resp.json())["error"]["message"]
+            assert service.state()["broker"]["stalled"]
+            broker.fail = False
+            await until(lambda: service.problem() is None)
+            async with http.get(f"{base}/health") as resp:
+                assert resp.status == 200
     finally:
         await runner.cleanup()
         await rep.close()
