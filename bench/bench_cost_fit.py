@@ -88,7 +88,7 @@ def run(
     world.run(reqs, drain_s=cfg.drain_s)
     router = world.router.router  # (the simulator's timing wrapper around the real router)
     factors = {
-        eid: (round(e.speed.prefill, 4), round(e.speed.decode, 4))
+        eid: (round(e.speed.prefill, 4), round(router.cluster.decode_scale(e), 4))
         for eid, e in router.cluster.engines.items()
     }
     from bench.metrics import summarize

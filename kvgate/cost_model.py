@@ -550,6 +550,11 @@ class SpeedFit:
         return math.exp(self._decode_log)
 
     @property
+    def decode_log(self) -> float:
+        """The log of :attr:`decode`."""
+        return self._decode_log
+
+    @property
     def prefill_evidence(self) -> float:
         """Total weight of the prefill samples seen."""
         return self._prefill_w

