@@ -33,6 +33,7 @@ from aiohttp import web
 from gateway.app import GATEWAY_KEY, Gateway, create_app, serve
 from gateway.config import GatewayConfig
 from gateway.routing import embedded_routing
+from kvgate.cli_support import ListenError, listening, port, usage_error
 from kvgate.logs import setup_logging
 from kvgate.slo import SLO_CLASSES
 
@@ -125,7 +126,8 @@ async def demo_stack(
                 stats=routing.stats,
                 on_drain=routing.on_drain,
             )
-            gw_runner, port = await serve(app, "127.0.0.1", port, drain_timeout_s=5.0)
+            with listening("127.0.0.1", port):
+                gw_runner, port = await serve(app, "127.0.0.1", port, drain_timeout_s=5.0)
             gateway = app[GATEWAY_KEY]
             try:
                 await _wait_for_engines(gateway, n_engines)
@@ -265,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve", action="store_true", help="start one stack and leave it running for your client"
     )
     parser.add_argument("--policy", default="e2", help="the --serve stack's policy (e2)")
-    parser.add_argument("--port", type=int, default=0, help="the --serve gateway's port (free)")
+    parser.add_argument("--port", type=port, default=0, help="the --serve gateway's port (free)")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -298,7 +300,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate demo: {problem}", file=sys.stderr)
         return 2
     if args.serve:
-        return asyncio.run(serve_demo(opts, args.policy, args.port))
+        try:
+            return asyncio.run(serve_demo(opts, args.policy, args.port))
+        except ListenError as exc:
+            return usage_error("kvgate demo", str(exc))
     summaries = asyncio.run(compare(opts))
     print()
     print(format_table(summaries))

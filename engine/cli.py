@@ -18,6 +18,7 @@ import orjson
 
 from engine.scheduler import POLICIES
 from engine.scheduler.state import SchedulerConfig
+from kvgate.cli_support import ListenError, listening, port, usage_error
 from kvgate.cost_model import DEFAULT_PROFILE, ProfileError, load_profile
 from kvgate.logs import setup_logging
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
@@ -28,7 +29,7 @@ _DEFAULTS = SchedulerConfig()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8001, help="port to bind (0: any free)")
+    parser.add_argument("--port", type=port, default=8001, help="port to bind (0: any free)")
     parser.add_argument("--engine-id", default="engine-0", help="id in events and metrics")
     parser.add_argument("--model", default="kvgate-sim", help="served model name")
     parser.add_argument("--alias", action="append", default=[], help="another accepted name")
@@ -93,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
         import uvloop
 
         uvloop.install()
-    return asyncio.run(_serve(args))
+    try:
+        return asyncio.run(_serve(args))
+    except ListenError as exc:
+        return usage_error("kvgate engine", str(exc))
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -150,7 +154,14 @@ async def _serve(args: argparse.Namespace) -> int:
         kv_link_gbps=args.kv_link_gbps,
         kv_bytes_per_token=args.kv_bytes_per_token,
     )
-    runner, url = await serve(config, broker, host=args.host, port=args.port)
+    try:
+        with listening(args.host, args.port):
+            runner, url = await serve(config, broker, host=args.host, port=args.port)
+    except ListenError:
+        if broker is not None:
+            with contextlib.suppress(Exception):
+                await broker.close()
+        raise
     log.info("engine %s serving %s on %s (policy %s)", args.engine_id, args.model, url, args.policy)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -15,12 +15,12 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 
 from gateway.app import create_app, metrics_app, serve
 from gateway.config import BreakerConfig, GatewayConfig, parse_engine_spec, parse_template_spec
 from gateway.routing import RoutingOptions, open_routing
 from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resolve_workers
+from kvgate.cli_support import ListenError, listening, port, usage_error
 from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
 from kvgate.runtime import tune_gc
@@ -35,7 +35,7 @@ log = logging.getLogger("kvgate.gateway")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = GatewayConfig()
     parser.add_argument("--host", default=d.host, help="address to listen on (default %(default)s)")
-    parser.add_argument("--port", type=int, default=d.port, help="port (default %(default)s)")
+    parser.add_argument("--port", type=port, default=d.port, help="port (default %(default)s)")
     w = parser.add_argument_group("processes")
     w.add_argument(
         "--workers",
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     w.add_argument(
         "--metrics-port-base",
-        type=int,
+        type=port,
         default=None,
         metavar="PORT",
         help="worker i also serves /metrics on PORT+i, so Prometheus can scrape every worker "
@@ -260,23 +260,24 @@ async def serve_forever(
         )
         if stop.is_set():
             return 0
-        runner, port = await serve(
-            app,
-            config.host,
-            config.port,
-            drain_timeout_s=config.drain_timeout_s,
-            reuse_port=reuse_port,
-        )
+        with listening(config.host, config.port):
+            runner, bound = await serve(
+                app,
+                config.host,
+                config.port,
+                drain_timeout_s=config.drain_timeout_s,
+                reuse_port=reuse_port,
+            )
         metrics_runner = None
         try:
             if args.metrics_port_base is not None:
-                metrics_runner, _ = await serve(
-                    metrics_app(app), config.host, args.metrics_port_base + slot
-                )
+                metrics_port = args.metrics_port_base + slot
+                with listening(config.host, metrics_port):
+                    metrics_runner, _ = await serve(metrics_app(app), config.host, metrics_port)
             log.info(
                 "gateway listening",
                 extra={
-                    "url": f"http://{config.host}:{port}",
+                    "url": f"http://{config.host}:{bound}",
                     "router": routing.description,
                     "worker": slot,
                     "pid": os.getpid(),
@@ -299,27 +300,25 @@ def run(args: argparse.Namespace) -> int:
         router_config(args)  # (a bad policy or option fails here, before anything starts)
     except (PolicyError, ValueError, TypeError) as exc:
         log.error("%s", exc)
-        print(f"kvgate gateway: error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("kvgate gateway", str(exc))
     problem = multi_worker_error(workers, args.router_url, args.broker_url)
     if problem is not None:
         log.error("%s", problem)
-        print(f"kvgate gateway: error: {problem}", file=sys.stderr)
-        return 2
-    if workers == 1:
-        return run_worker(args, 0, config.port, reuse_port=False)
-    supervisor = Supervisor(
-        args,
-        workers,
-        run_worker,
-        policy=RestartPolicy(max_fast_failures=max(1, args.worker_restart_limit)),
-        drain_timeout_s=config.drain_timeout_s,
-    )
+        return usage_error("kvgate gateway", problem)
     try:
+        if workers == 1:
+            return run_worker(args, 0, config.port, reuse_port=False)
+        supervisor = Supervisor(
+            args,
+            workers,
+            run_worker,
+            policy=RestartPolicy(max_fast_failures=max(1, args.worker_restart_limit)),
+            drain_timeout_s=config.drain_timeout_s,
+        )
         return supervisor.run(config.host, config.port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
-        return 2
+    except ListenError as exc:
+        log.error("%s", exc)
+        return usage_error("kvgate gateway", str(exc))
 
 
 def run_worker(args: argparse.Namespace, slot: int, port: int, *, reuse_port: bool = True) -> int:

@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvgate.cli_support import listening
+
 log = logging.getLogger("kvgate.gateway.workers")
 
 WORKER_ENV = "KVGATE_WORKER"  # the worker's slot index, set in each worker process
@@ -264,7 +266,8 @@ class Supervisor:
 
     def run(self, host: str, port: int) -> int:
         """Reserve the port, start the workers, supervise until they have all stopped."""
-        reserved = reserve_port(host, port)
+        with listening(host, port):
+            reserved = reserve_port(host, port)
         port = reserved.getsockname()[1]
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)

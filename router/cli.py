@@ -11,6 +11,7 @@ import signal
 
 from aiohttp import web
 
+from kvgate.cli_support import ListenError, listening, port, usage_error
 from kvgate.logs import setup_logging
 from kvgate.runtime import tune_gc
 from router.core import Router
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--broker-prefix", "--prefix", dest="prefix", default="kvgate:", help="broker key prefix"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8400, help="port to listen on (0: any)")
+    parser.add_argument("--port", type=port, default=8400, help="port to listen on (0: any)")
     add_router_options(parser.add_argument_group("routing (the same flags as kvgate gateway's)"))
     parser.add_argument(
         "--static-engine",
@@ -59,7 +60,13 @@ async def serve(args: argparse.Namespace, router: Router) -> None:
     runner = web.AppRunner(create_app(service), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    try:
+        with listening(args.host, args.port):
+            await site.start()
+    except ListenError:
+        await runner.cleanup()
+        await broker.close()
+        raise
     log.info(
         "router listening",
         extra={"host": args.host, "port": args.port, "policy": args.policy, "broker": args.broker},
@@ -88,4 +95,6 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve(args, router))
     except KeyboardInterrupt:
         pass
+    except ListenError as exc:
+        return usage_error("kvgate router", str(exc))
     return 0

@@ -1,0 +1,46 @@
+"""What every ``kvgate`` command shares about bad input: argument types and error exits.
+
+One home, so that the same mistake gets the same one-line error (``PROG: error: ...``, exit 2,
+argparse's own form) from every command, never a traceback: a port out of range is refused
+while the arguments are parsed, a port already taken when the server binds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+USAGE_ERROR = 2  # argparse's exit status for bad arguments; every command uses it
+
+
+def usage_error(prog: str, message: str) -> int:
+    """Print ``PROG: error: MESSAGE`` on stderr, as argparse does; the exit status (2)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0-65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"want a port number 0-65535, got {text!r}")
+    return value
+
+
+class ListenError(Exception):
+    """A server could not bind its address (taken, out of range, not local): the user's to
+    fix, so it is reported in one line, not as a traceback."""
+
+
+@contextmanager
+def listening(host: str, port: int) -> Iterator[None]:
+    """Turn a failure to bind ``host:port`` inside the block into :class:`ListenError`."""
+    try:
+        yield
+    except (OSError, OverflowError) as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc}") from exc

@@ -1,0 +1,74 @@
+"""Bad input every server command shares (ports, broker URLs): one line and exit 2, never a
+traceback, and the same line from every command (kvgate.cli_support is their one home)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from kvgate.cli import build_parser, main
+
+# The ports these tests may hold: loopback, 18400-18499.
+PORTS = range(18400, 18500)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A loopback port in the test range that a listening socket of this test holds."""
+    for candidate in PORTS:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            sock.close()
+            continue
+        sock.listen(1)
+        try:
+            yield candidate
+        finally:
+            sock.close()
+        return
+    pytest.skip("no free port in 18400-18499")
+
+
+SERVERS = {  # each listens on 127.0.0.1
+    "gateway": ["gateway", "--log-level", "error"],
+    "engine": ["engine", "--log-level", "error"],
+    "router": ["router", "--broker", "memory://", "--log-level", "error"],
+    "demo": ["demo", "--serve", "--engines", "1"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(SERVERS))
+@pytest.mark.parametrize("bad", ["65536", "-1", "http"])
+def test_port_out_of_range_is_refused_at_parsing(
+    command: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*SERVERS[command], "--port", bad]
+    with pytest.raises(SystemExit) as exc:
+        build_parser(argv).parse_args(argv)  # refused before anything starts
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--port" in err and "0-65535" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", sorted(SERVERS))
+def test_port_in_use_is_one_line_and_exit_2(
+    command: str, busy_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SERVERS[command], "--port", str(busy_port)]) == 2
+    err = capsys.readouterr().err
+    assert f"kvgate {command}: error: cannot listen on 127.0.0.1:{busy_port}:" in err
+
+
+def test_gateway_workers_port_in_use_says_the_same(
+    busy_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The multi-process gateway reserves the port itself: the same message."""
+    args = ["gateway", "--log-level", "error", "--port", str(busy_port), "--workers", "2"]
+    assert main([*args, "--broker", "redis://127.0.0.1:6379/12"]) == 2
+    assert f"kvgate gateway: error: cannot listen on 127.0.0.1:{busy_port}:" in (
+        capsys.readouterr().err
+    )
