@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from broker.base import Broker, BrokerError, BrokerUnavailable
 from broker.memory import MemoryBroker
+from broker.urls import check_broker_url
 
 __all__ = ["Broker", "BrokerError", "BrokerUnavailable", "MemoryBroker", "connect"]
 
@@ -17,6 +18,7 @@ __all__ = ["Broker", "BrokerError", "BrokerUnavailable", "MemoryBroker", "connec
 async def connect(url: str, *, prefix: str = "kvgate:") -> Broker:
     """Open a broker for ``url``. Redis connections open lazily (an engine must start even while
     Redis is down), so a bad URL fails here but an unreachable server fails on first use."""
+    check_broker_url(url)
     if url == "memory://" or url.startswith("memory:"):
         return MemoryBroker(prefix=prefix)
     # Imported here so that importing ``broker`` (e.g. for its pure schema) never loads redis.

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvgate.cli_support import redis_url
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 LOOPBACK = "127.0.0.1"
 
@@ -444,6 +446,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateways", type=int, default=2, help="gateways (default 2)")
     parser.add_argument(
         "--redis-url",
+        type=redis_url,
         default=None,
         help="Redis to use; default: 127.0.0.1:6379 if it answers, else a private redis-server",
     )

@@ -18,7 +18,7 @@ import orjson
 
 from engine.scheduler import POLICIES
 from engine.scheduler.state import SchedulerConfig
-from kvgate.cli_support import ListenError, listening, port, usage_error
+from kvgate.cli_support import ListenError, broker_url, listening, port, usage_error
 from kvgate.cost_model import DEFAULT_PROFILE, ProfileError, load_profile
 from kvgate.logs import setup_logging
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alias", action="append", default=[], help="another accepted name")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="cost profile name or path")
     parser.add_argument("--policy", default="slo", choices=sorted(POLICIES))
-    parser.add_argument("--broker", default=None, help="publish events (redis://, memory://)")
+    parser.add_argument(
+        "--broker", type=broker_url, default=None, help="publish events (redis://, memory://)"
+    )
     parser.add_argument("--broker-prefix", default="kvgate:", help="broker key prefix")
     parser.add_argument("--url-advertised", default="", help="base URL routers should use")
     parser.add_argument(

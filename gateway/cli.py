@@ -20,7 +20,7 @@ from gateway.app import create_app, metrics_app, serve
 from gateway.config import BreakerConfig, GatewayConfig, parse_engine_spec, parse_template_spec
 from gateway.routing import RoutingOptions, open_routing
 from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resolve_workers
-from kvgate.cli_support import ListenError, listening, port, usage_error
+from kvgate.cli_support import ListenError, broker_url, listening, port, usage_error
 from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
 from kvgate.runtime import tune_gc
@@ -70,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--broker",
         "--broker-url",
         dest="broker_url",
+        type=broker_url,
         default=os.environ.get("KVGATE_BROKER_URL", "memory://"),
         help="embedded router's broker: memory://, redis://, rediss://, redis+sentinel:// "
         "(env KVGATE_BROKER_URL; default %(default)s)",

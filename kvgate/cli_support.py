@@ -32,6 +32,26 @@ def port(text: str) -> int:
     return value
 
 
+def broker_url(text: str) -> str:
+    """argparse type: a broker URL kvgate can open (:func:`broker.urls.check_broker_url`)."""
+    from broker.urls import check_broker_url
+
+    try:
+        return check_broker_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def redis_url(text: str) -> str:
+    """argparse type: a plain Redis URL (redis://, rediss://, unix://; no memory, no Sentinel)."""
+    from broker.urls import check_broker_url
+
+    try:
+        return check_broker_url(text, memory=False, sentinel=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class ListenError(Exception):
     """A server could not bind its address (taken, out of range, not local): the user's to
     fix, so it is reported in one line, not as a traceback."""

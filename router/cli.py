@@ -11,7 +11,7 @@ import signal
 
 from aiohttp import web
 
-from kvgate.cli_support import ListenError, listening, port, usage_error
+from kvgate.cli_support import ListenError, broker_url, listening, port, usage_error
 from kvgate.logs import setup_logging
 from kvgate.runtime import tune_gc
 from router.core import Router
@@ -22,7 +22,9 @@ log = logging.getLogger("kvgate.router")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--broker", default="redis://127.0.0.1:6379/0", help="broker URL")
+    parser.add_argument(
+        "--broker", type=broker_url, default="redis://127.0.0.1:6379/0", help="broker URL"
+    )
     parser.add_argument(
         "--broker-prefix", "--prefix", dest="prefix", default="kvgate:", help="broker key prefix"
     )

@@ -72,3 +72,55 @@ def test_gateway_workers_port_in_use_says_the_same(
     assert f"kvgate gateway: error: cannot listen on 127.0.0.1:{busy_port}:" in (
         capsys.readouterr().err
     )
+
+
+BAD_BROKERS = ["nonsense://x", "redis://127.0.0.1:abc/10", "redis+sentinel://", "", "redis://h/x"]
+BROKER_FLAGS = {
+    "gateway": ["gateway", "--broker"],
+    "router": ["router", "--broker"],
+    "engine": ["engine", "--broker"],
+    "bridge": ["bridge", "vllm", "--zmq", "tcp://127.0.0.1:18401", "--model-dir", ".", "--broker"],
+    "up": ["up", "--redis-url"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(BROKER_FLAGS))
+@pytest.mark.parametrize("bad", BAD_BROKERS)
+def test_bad_broker_url_is_refused_at_parsing(
+    command: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*BROKER_FLAGS[command], bad]
+    with pytest.raises(SystemExit) as exc:
+        build_parser(argv).parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"kvgate {argv[0]}") and repr(bad) in err[-1]
+    assert "--broker" in err[-1] or "--redis-url" in err[-1]
+
+
+def test_up_takes_only_a_plain_redis_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """kvgate up pings its Redis itself and hands it to every process: memory:// or a
+    Sentinel URL cannot be that."""
+    for bad in ("memory://", "redis+sentinel://h/svc"):
+        with pytest.raises(SystemExit):
+            build_parser(["up"]).parse_args(["up", "--redis-url", bad])
+        assert "unsupported scheme" in capsys.readouterr().err
+
+
+def test_gateway_broker_url_from_the_environment_is_checked_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVGATE_BROKER_URL", "nonsense://x")
+    with pytest.raises(SystemExit):
+        build_parser(["gateway"]).parse_args(["gateway"])
+    assert "'nonsense://x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "good",
+    ["memory://", "redis://127.0.0.1:6379/12", "rediss://u:p@h/0", "unix:///tmp/r.sock",
+     "redis+sentinel://:pw@h1:26379,h2/mymaster/2"],
+)  # fmt: skip
+def test_good_broker_urls_pass(good: str) -> None:
+    argv = ["router", "--broker", good]
+    assert build_parser(argv).parse_args(argv).broker == good

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from kvgate.cli_support import broker_url
 from kvgate.cost_model import DEFAULT_PROFILE
 from kvgate.logs import setup_logging
 
@@ -71,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engine id kvgate uses for this vLLM (default: vllm-HOST-PORT of --engine-url); "
         "must match a static --engine ID=URL given to the gateway, if any",
     )
-    p.add_argument("--broker", default="redis://127.0.0.1:6379/0", help="kvgate broker URL")
+    p.add_argument(
+        "--broker", type=broker_url, default="redis://127.0.0.1:6379/0", help="kvgate broker URL"
+    )
     p.add_argument("--broker-prefix", default="kvgate:", help="key prefix on the broker")
     p.add_argument(
         "--profile",

@@ -127,3 +127,9 @@ async def test_sentinel_url_reaches_the_master(redis_prefix) -> None:
         proc.wait(5)
         master.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_connect_refuses_a_database_that_is_not_a_number() -> None:
+    """redis-py would quietly use database 0 for ``/abc``; kvgate refuses the URL."""
+    with pytest.raises(ValueError, match="not a number"):
+        await broker.connect("redis://127.0.0.1:6379/abc")
