@@ -27,6 +27,9 @@ import io
 import logging
 import math
 import os
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -59,11 +62,20 @@ MOONCAKE_PATH = _trace("mooncake_conversation_trace.jsonl")
 AZURE_PATH = _trace("azure_llm_2023_conv.csv")
 
 
-def _open(path: str | Path, text: bool) -> io.IOBase:
-    """The file, decompressed when it ends in ``.gz``."""
-    if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", newline="") if text else gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, newline="") if text else open(path, "rb")  # type: ignore[return-value]
+@contextmanager
+def _open(path: str | Path, text: bool) -> Iterator[io.IOBase]:
+    """The file, decompressed when it ends in ``.gz``. gzip finds a truncated or corrupt file
+    only while reading it (EOFError, zlib.error): that is a ValueError naming the file."""
+    gz = str(path).endswith(".gz")
+    opener = gzip.open if gz else open
+    mode = ("rt" if gz else "r") if text else "rb"
+    with opener(path, mode, **({"newline": ""} if text else {})) as fh:  # type: ignore[operator]
+        try:
+            yield fh  # type: ignore[misc]
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise ValueError(
+                f"{path}: truncated or corrupt gzip file ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake traces' hash block (Qwen-Bailian's is 16)

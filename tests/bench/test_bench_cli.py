@@ -185,3 +185,38 @@ def test_cprofile_breakdown_names_the_packages(tmp_path: Path) -> None:
     assert expected <= set(packages)
     assert run["profile"]["top_functions"]
     assert list((tmp_path / "prof").glob("*.prof"))
+
+
+def _mooncake_lines(n: int) -> bytes:
+    return b"".join(
+        b'{"timestamp": %d, "input_length": 1024, "output_length": 8, "hash_ids": [%d, 2]}\n'
+        % (i * 100, i % 7)
+        for i in range(n)
+    )
+
+
+@pytest.mark.parametrize("verb", ["sim", "replay", "workloads"])
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_gzipped_trace_is_an_error_naming_the_file(
+    tmp_path: Path, capsys, verb: str, damage: str
+) -> None:
+    """gzip notices a cut or garbled file only while reading it (EOFError, zlib.error)."""
+    import gzip
+
+    whole = gzip.compress(_mooncake_lines(3000))
+    if damage == "truncated":
+        data = whole[: len(whole) // 2]
+    else:  # the deflate stream's first bytes garbled: zlib.error
+        data = whole[:10] + b"\xff" * 8 + whole[18:]
+    trace = tmp_path / f"{damage}.jsonl.gz"
+    trace.write_bytes(data)
+    argv = {
+        "sim": ["bench", "sim", "--trace", str(trace), "--out", str(tmp_path / "x.json")],
+        "replay": ["bench", "replay", "--url", "http://127.0.0.1:18499", "--trace", str(trace),
+                   "--out", str(tmp_path / "r")],
+        "workloads": ["bench", "workloads", str(trace)],
+    }[verb]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvgate bench {verb}: {trace}: truncated or corrupt gzip file")
+    assert len(err.splitlines()) == 1
