@@ -28,6 +28,7 @@ import orjson
 
 from bench.workloads import WORKLOADS, WorkloadOptions
 from engine.scheduler import POLICIES as SCHEDULERS
+from kvgate.cli_support import non_negative_float, positive_float
 from kvgate.cost_model import ProfileError, load_profile
 
 RESULTS = Path("results/tmp")  # git-ignored; pass --out for results to keep
@@ -87,9 +88,14 @@ def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake")
         help="a trace file's numeric timestamps (default auto: .jsonl milliseconds when all are"
         " integers and the lines carry no chat_id/turn, else seconds; .csv seconds)",
     )
-    g.add_argument("--start", type=float, default=0.0, help="window start, trace seconds")
     g.add_argument(
-        "--duration", type=float, default=None, help="window length, trace seconds (default: all)"
+        "--start", type=non_negative_float, default=0.0, help="window start, trace seconds"
+    )
+    g.add_argument(
+        "--duration",
+        type=positive_float,
+        default=None,
+        help="window length, trace seconds (default: all)",
     )
     g.add_argument("--max-requests", type=int, default=None, help="keep at most N requests")
     g.add_argument(
@@ -98,7 +104,9 @@ def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake")
     g.add_argument(
         "--spread", type=float, default=0.0, help="spread same-timestamp requests over N s"
     )
-    g.add_argument("--rate", type=float, default=4.0, help="synthetic workloads: requests/s")
+    g.add_argument(
+        "--rate", type=positive_float, default=4.0, help="synthetic workloads: requests/s"
+    )
     g.add_argument("--cv", type=float, default=1.0, help="synthetic: inter-arrival CV (1=Poisson)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(

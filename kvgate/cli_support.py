@@ -32,6 +32,32 @@ def port(text: str) -> int:
     return value
 
 
+def _number(text: str, cast: type, ok: str, test) -> float:
+    try:
+        value = cast(text)
+    except ValueError:
+        value = None
+    if value is None or value != value or not test(value):  # (value != value: NaN)
+        kind = "an integer" if cast is int else "a number"
+        raise argparse.ArgumentTypeError(f"want {kind} {ok}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count: engines, requests)."""
+    return int(_number(text, int, ">= 1", lambda v: v >= 1))
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (a rate, a length of time)."""
+    return _number(text, float, "> 0", lambda v: 0 < v < float("inf"))
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number >= 0 (a start time, a delay)."""
+    return _number(text, float, ">= 0", lambda v: 0 <= v < float("inf"))
+
+
 def broker_url(text: str) -> str:
     """argparse type: a broker URL kvgate can open (:func:`broker.urls.check_broker_url`)."""
     from broker.urls import check_broker_url

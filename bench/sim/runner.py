@@ -319,7 +319,7 @@ def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Requ
     print(
         f"sim: {pol:<28} {sch:<7} x{rate:<5g} {len(reqs):>6} req  "
         f"SLO {100 * s.get('slo_attainment', 0):5.1f}%  "
-        f"TTFT p99 {s['ttft_ms']['p99'] or 0:9.0f} ms  "
+        f"TTFT p99 {(s.get('ttft_ms') or {}).get('p99') or 0:9.0f} ms  "
         f"hit {100 * (s.get('prefix_hit_rate') or 0):5.1f}%  "
         f"({time.perf_counter() - t0:.1f} s)",
         file=sys.stderr,

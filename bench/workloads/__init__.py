@@ -199,6 +199,15 @@ def build_workload(
     reqs = thin(reqs, opts.keep, opts.seed)
     reqs = scale_rate(reqs, opts.rate_scale)
     reqs = limit(reqs, opts.max_requests)
+    if not reqs:
+        cut = [
+            f"start {opts.start:g} s" if opts.start else "",
+            f"duration {opts.duration:g} s" if opts.duration is not None else "",
+            f"keep {opts.keep:g}" if opts.keep != 1 else "",
+            f"max requests {opts.max_requests}" if opts.max_requests is not None else "",
+        ]
+        where = ", ".join(c for c in cut if c)
+        raise ValueError(f"no requests in {name}" + (f" within {where}" if where else ""))
     spec = opts.slo or DEFAULT_SLO.get(kind, "keep")
     profile = profile or default_profile()
     reqs = at_bytes_per_token(assign_slo(reqs, spec, profile), profile.bytes_per_token)

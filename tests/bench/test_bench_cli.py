@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from kvgate import native
-from kvgate.cli import main
+from kvgate.cli import build_parser, main
 
 
 def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
@@ -220,3 +220,29 @@ def test_a_damaged_gzipped_trace_is_an_error_naming_the_file(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"kvgate bench {verb}: {trace}: truncated or corrupt gzip file")
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "bad"), [("--start", "-1"), ("--duration", "-3"), ("--duration", "0"),
+                      ("--rate", "-3"), ("--rate", "0"), ("--rate", "nan")],
+)  # fmt: skip
+def test_workload_window_and_rate_must_make_sense(flag: str, bad: str, capsys) -> None:
+    for verb in ("sim", "replay", "workloads"):
+        argv = ["bench", verb, "--trace", "mooncake", flag, bad]
+        argv += ["--url", "http://127.0.0.1:18499"] if verb == "replay" else []
+        with pytest.raises(SystemExit) as exit_:
+            build_parser(argv).parse_args(argv)  # refused before any work
+        assert exit_.value.code == 2
+        assert f"argument {flag}: want a number" in capsys.readouterr().err
+
+
+def test_a_window_left_empty_is_the_no_requests_error(tmp_path: Path, capsys) -> None:
+    """Not a KeyError from a summary of nothing: the error an empty trace gets."""
+    small = tmp_path / "small.jsonl"
+    small.write_bytes(_mooncake_lines(20))
+    for workload in ("mooncake", str(small)):
+        rc = main(["bench", "sim", "--trace", workload, "--start", "999999",
+                   "--out", str(tmp_path / "x.json")])  # fmt: skip
+        assert rc == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"kvgate bench sim: no requests in {workload} within start 999999 s"
