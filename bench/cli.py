@@ -28,7 +28,7 @@ import orjson
 
 from bench.workloads import WORKLOADS, WorkloadOptions
 from engine.scheduler import POLICIES as SCHEDULERS
-from kvgate.cli_support import non_negative_float, positive_float
+from kvgate.cli_support import non_negative_float, positive_float, positive_int
 from kvgate.cost_model import ProfileError, load_profile
 
 RESULTS = Path("results/tmp")  # git-ignored; pass --out for results to keep
@@ -97,7 +97,9 @@ def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake")
         default=None,
         help="window length, trace seconds (default: all)",
     )
-    g.add_argument("--max-requests", type=int, default=None, help="keep at most N requests")
+    g.add_argument(
+        "--max-requests", type=positive_int, default=None, help="keep at most N (>= 1) requests"
+    )
     g.add_argument(
         "--keep", type=float, default=1.0, help="thin the window to this fraction (by request id)"
     )
@@ -377,9 +379,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="... plus a uniform delay up to S seconds per batch, seeded (default 0.001)",
     )
-    p.add_argument("--requests-per-engine", type=int, default=None)
-    p.add_argument("--min-requests", type=int, default=None)
-    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--requests-per-engine", type=positive_int, default=None)
+    p.add_argument("--min-requests", type=positive_int, default=None)
+    p.add_argument("--max-requests", type=positive_int, default=None)
     p.add_argument(
         "--min-window-s",
         type=float,
@@ -389,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-window-requests",
-        type=int,
+        type=positive_int,
         default=None,
         help="at most this many requests a cell for --min-window-s (default 2500)",
     )

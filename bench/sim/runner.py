@@ -24,7 +24,14 @@ from pathlib import Path
 from bench.metrics import RequestRecord, summarize
 from bench.sim.policies import make_router
 from bench.sim.world import LinkConfig, Outage, World
-from bench.workloads import Request, WorkloadOptions, build_workload, describe, scale_rate
+from bench.workloads import (
+    Request,
+    WorkloadOptions,
+    build_workload,
+    describe,
+    limit,
+    scale_rate,
+)
 from broker.events import ROLES
 from engine.core import EngineCore, EngineRequest, SchedulerConfig
 from kvgate.cost_model import (
@@ -301,7 +308,7 @@ def _workload(spec: SweepSpec) -> list[Request]:
 
 def _scaled(requests: list[Request], opts: WorkloadOptions, rate: float) -> list[Request]:
     out = scale_rate(requests, opts.rate_scale * rate)
-    return out[: opts.max_requests] if opts.max_requests is not None else out
+    return limit(out, opts.max_requests)
 
 
 def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Request]) -> dict:

@@ -35,7 +35,10 @@ def window(
 
 
 def limit(requests: Sequence[Request], max_requests: int | None) -> list[Request]:
-    """The first ``max_requests`` requests (all of them when None)."""
+    """The first ``max_requests`` requests (all of them when None). A negative count is a
+    ValueError: as a slice it would quietly mean all but the last few."""
+    if max_requests is not None and max_requests < 0:
+        raise ValueError(f"max_requests must be >= 0, got {max_requests}")
     return list(requests if max_requests is None else requests[:max_requests])
 
 

@@ -246,3 +246,26 @@ def test_a_window_left_empty_is_the_no_requests_error(tmp_path: Path, capsys) ->
         assert rc == 2
         err = capsys.readouterr().err.strip()
         assert err == f"kvgate bench sim: no requests in {workload} within start 999999 s"
+
+
+@pytest.mark.parametrize("bad", ["-5", "0"])
+def test_max_requests_below_one_is_refused(bad: str, capsys) -> None:
+    """-5 sliced as requests[:-5] meant 'all but the last 5'; 0 left nothing to run."""
+    for argv in (
+        ["bench", "sim", "--trace", "mooncake", "--max-requests", bad],
+        ["bench", "workloads", "mooncake", "--max-requests", bad],
+        ["bench", "matrix", "--max-requests", bad],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser(argv).parse_args(argv)
+        assert exit_.value.code == 2
+        assert "argument --max-requests: want an integer >= 1" in capsys.readouterr().err
+
+
+def test_limit_refuses_a_negative_count() -> None:
+    from bench.workloads import build_workload, limit
+
+    reqs = build_workload("tool_use")
+    assert limit(reqs, 3) == reqs[:3] and limit(reqs, None) == reqs
+    with pytest.raises(ValueError, match="max_requests"):
+        limit(reqs, -5)
