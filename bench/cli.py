@@ -63,6 +63,20 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _policy_specs(text: str) -> tuple[str, ...]:
+    """Comma-separated router policy specs (:func:`_names`), each checked while the arguments
+    are parsed: a bad name, option or option value is refused before any work."""
+    from bench.sim.policies import check_policy
+
+    specs = _names(text)
+    for spec in specs:
+        try:
+            check_policy(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"policy {spec!r}: {exc}") from None
+    return specs
+
+
 def _add_workload_args(p: argparse.ArgumentParser, *, default: str = "mooncake") -> None:
     g = p.add_argument_group("workload")
     g.add_argument(
@@ -301,7 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_sim_world_args(p)
     p.add_argument(
         "--policies",
-        type=_names,
+        type=_policy_specs,
         default=("e2", "round_robin", "least_load", "cache_aware"),
         help="router policies, comma-separated; options as e2[rebalance=false] "
         "(aliases: see bench/sim/policies.py, e.g. e2-no-m, e2-no-band, e2-rebalance)",

@@ -272,15 +272,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_policies(specs: Sequence[str]) -> str | None:
-    """What is wrong with the first bad policy spec (unknown name, alias or option), or None:
-    checked before any stack starts, so a typo is a one-line error, not a traceback."""
-    from bench.sim.policies import parse_policy
-    from router.policies.registry import make_policy
+    """What is wrong with the first bad policy spec (unknown name, alias or option, a value of
+    the wrong type), or None: checked before any stack starts, so a typo is a one-line error,
+    not a traceback."""
+    from bench.sim.policies import check_policy
 
     for spec in specs:
         try:
-            make_policy(*parse_policy(spec))
-        except (ValueError, TypeError) as exc:  # PolicyError is a ValueError
+            check_policy(spec)
+        except ValueError as exc:  # PolicyError is a ValueError
             return f"policy {spec!r}: {exc}"
     return None
 

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         router = build(args)
     except (PolicyError, ValueError, TypeError) as exc:
         log.error("bad arguments: %s", exc)
-        return 2
+        return usage_error("kvgate router", str(exc))
     tune_gc()  # rarer collector pauses in the decision path (kvgate.runtime)
     try:
         asyncio.run(serve(args, router))

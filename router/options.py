@@ -10,7 +10,7 @@ from typing import Any
 
 from router.cluster_state import ClusterConfig
 from router.core import RouterConfig
-from router.policies.registry import POLICIES, PolicyError, make_policy
+from router.policies.registry import POLICIES, PolicyError, check_options, make_policy
 
 
 def add_router_options(group: Any) -> None:
@@ -22,8 +22,9 @@ def add_router_options(group: Any) -> None:
         "--policy-option",
         action="append",
         default=[],
-        metavar="NAME=JSON",
-        help="a field of the policy's config, e.g. work_weight=2 (repeatable)",
+        metavar="NAME=VALUE",
+        help="a field of the policy's config, e.g. work_weight=2 or rebalance=false "
+        "(repeatable; checked against the field's type)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed of the policy's rng")
     group.add_argument("--tree-budget-mb", type=float, default=1024.0, help="radix tree budget")
@@ -105,7 +106,7 @@ def policy_options(pairs: list[str]) -> dict[str, Any]:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """The RouterConfig the flags describe; raises PolicyError/ValueError/TypeError on bad
     ones (the policy is built once here to validate its options before anything starts)."""
-    options = policy_options(args.policy_option)
+    options = check_options(args.policy, policy_options(args.policy_option))
     make_policy(args.policy, options)
     cluster = ClusterConfig(
         window_s=args.window_s,

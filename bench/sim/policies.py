@@ -71,6 +71,18 @@ def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), options
 
 
+def check_policy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``spec`` parsed and its policy built once, so that an unknown name, alias or option, or
+    an option value of the wrong type, is an error before any work (ValueError; PolicyError is
+    one); the name and the options converted to their fields' types."""
+    from router.policies.registry import check_options, make_policy
+
+    name, options = parse_policy(spec)
+    options = check_options(name, options)
+    make_policy(name, options)
+    return name, options
+
+
 def make_router(spec: str, rng: Rng, cluster: ClusterConfig | None = None) -> Router:
     """The real router running the policy ``spec`` (see :func:`parse_policy`)."""
     name, options = parse_policy(spec)

@@ -135,9 +135,10 @@ def test_bad_input_is_an_error_code_not_a_crash(tmp_path: Path, capsys) -> None:
     junk.write_bytes(b"not json\n")
     rc = main(["bench", "sim", "--trace", str(junk), "--out", str(tmp_path / "x.json")])
     assert rc == 2 and "no requests in" in capsys.readouterr().err
-    rc = main(["bench", "sim", "--trace", "tool_use", "--duration", "2", "--policies",
-               "e2[bogus=1]", "--out", str(tmp_path / "x.json")])  # fmt: skip
-    assert rc == 2 and "bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused while the arguments are parsed
+        main(["bench", "sim", "--trace", "tool_use", "--duration", "2", "--policies",
+              "e2[bogus=1]", "--out", str(tmp_path / "x.json")])  # fmt: skip
+    assert exit_.value.code == 2 and "bogus" in capsys.readouterr().err
     # knees of the matrix found on other engines (the default slo scheduler) are refused
     knees = tmp_path / "knees.json"
     knees.write_bytes(orjson.dumps({"kind": "kvgate-matrix", "spec": {}, "combos": []}))
@@ -269,3 +270,20 @@ def test_limit_refuses_a_negative_count() -> None:
     assert limit(reqs, 3) == reqs[:3] and limit(reqs, None) == reqs
     with pytest.raises(ValueError, match="max_requests"):
         limit(reqs, -5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [("e2[rebalance=maybe]", "option rebalance wants a boolean"),
+     ("e2[rebalance_ratio=abc]", "option rebalance_ratio wants a number, got 'abc'")],
+)  # fmt: skip
+def test_sim_policy_option_of_the_wrong_type_is_refused_at_parsing(
+    spec: str, words: str, capsys
+) -> None:
+    """'maybe' ran as a truthy string; 'abc' crashed with a TypeError in the middle of a run."""
+    argv = ["bench", "sim", "--trace", "tool_use", "--policies", f"round_robin,{spec}"]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(argv).parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --policies" in err and words in err

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 
 import pytest
 
@@ -11,6 +12,7 @@ from gateway import cli as gateway_cli
 from gateway.routing import RoutingOptions, open_routing
 from kvgate.cli import build_parser
 from router import cli as router_cli
+from router.core import Router
 from router.options import add_router_options, router_config
 
 ARGV = [
@@ -95,3 +97,54 @@ def test_a_bad_policy_option_stops_either_command_with_a_clear_error(
     args = sub(command).parse_args(["--log-level", "error", *bad])
     assert module.run(args) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["router", "gateway"])
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ("rebalance=maybe", "option rebalance wants a boolean (true/false, 1/0), got 'maybe'"),
+        ("rebalance=2", "option rebalance wants a boolean"),
+        ("rebalance_ratio=abc", "option rebalance_ratio wants a number, got 'abc'"),
+        ("rebalance_ratio=true", "option rebalance_ratio wants a number, got True"),
+    ],
+)
+def test_a_policy_option_of_the_wrong_type_stops_either_command(
+    command: str,
+    bad: str,
+    words: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = router_cli if command == "router" else gateway_cli
+
+    def started(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("started serving with a bad option")
+
+    monkeypatch.setattr(module, "serve" if command == "router" else "run_worker", started)
+    args = sub(command).parse_args(["--log-level", "error", "--policy-option", bad])
+    assert module.run(args) == 2
+    err = capsys.readouterr().err
+    assert f"kvgate {command}: error: e2: {words}" in err
+
+
+@pytest.mark.parametrize(
+    ("given", "value"),
+    [("False", False), ("FALSE", False), ("false", False), ("0", False), ("True", True),
+     ("1", True), ("true", True)],
+)  # fmt: skip
+def test_a_boolean_option_takes_true_false_in_any_case_and_1_0(given: str, value: bool) -> None:
+    """``rebalance=False`` (not JSON) was the string "False": a truthy flag."""
+    config = router_config(sub("router").parse_args(["--policy-option", f"rebalance={given}"]))
+    assert config.policy_options == {"rebalance": value}
+    assert Router(config, random.Random(0)).policy.config.rebalance is value
+
+
+def test_policy_options_are_converted_to_their_fields_types() -> None:
+    from router.policies.registry import check_options
+
+    assert check_options("e2", {"rebalance_ratio": 2, "work_weight": "0.5"}) == {
+        "rebalance_ratio": 2.0,
+        "work_weight": 0.5,
+    }
+    assert check_options("e2", {"rebalance_ratio": "2"})["rebalance_ratio"] == 2.0
