@@ -18,7 +18,14 @@ import orjson
 
 from engine.scheduler import POLICIES
 from engine.scheduler.state import SchedulerConfig
-from kvgate.cli_support import ListenError, broker_url, listening, port, usage_error
+from kvgate.cli_support import (
+    ListenError,
+    broker_url,
+    listening,
+    load_chat_template,
+    port,
+    usage_error,
+)
 from kvgate.cost_model import DEFAULT_PROFILE, ProfileError, load_profile
 from kvgate.logs import setup_logging
 from kvgate.slo import DEFAULT_SLO_CLASS, SLO_CLASSES
@@ -89,9 +96,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         load_profile(args.profile)
-    except ProfileError as exc:
-        print(f"kvgate engine: {exc}", file=sys.stderr)
-        return 2
+        if args.chat_template:
+            load_chat_template(args.chat_template)
+    except (ProfileError, ValueError) as exc:
+        return usage_error("kvgate engine", str(exc))
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -20,7 +20,14 @@ from gateway.app import create_app, metrics_app, serve
 from gateway.config import BreakerConfig, GatewayConfig, parse_engine_spec, parse_template_spec
 from gateway.routing import RoutingOptions, open_routing
 from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resolve_workers
-from kvgate.cli_support import ListenError, broker_url, listening, port, usage_error
+from kvgate.cli_support import (
+    ListenError,
+    broker_url,
+    listening,
+    load_chat_template,
+    port,
+    usage_error,
+)
 from kvgate.logs import setup_logging
 from kvgate.openai_request import ChatTemplate
 from kvgate.runtime import tune_gc
@@ -225,10 +232,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def load_templates(specs: list[str]) -> dict[str | None, ChatTemplate]:
+    """The ``--chat-template [MODEL=]PATH`` templates by model; ValueError naming a bad one."""
     out: dict[str | None, ChatTemplate] = {}
     for spec in specs:
         model, path = parse_template_spec(spec)
-        out[model] = ChatTemplate.from_path(path)
+        out[model] = load_chat_template(path)
     return out
 
 
@@ -299,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         workers = resolve_workers(args.workers)
         router_config(args)  # (a bad policy or option fails here, before anything starts)
+        load_templates(args.chat_template)  # (and a missing template)
     except (PolicyError, ValueError, TypeError) as exc:
         log.error("%s", exc)
         return usage_error("kvgate gateway", str(exc))

@@ -11,6 +11,10 @@ import argparse
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.openai_request import ChatTemplate
 
 USAGE_ERROR = 2  # argparse's exit status for bad arguments; every command uses it
 
@@ -76,6 +80,18 @@ def redis_url(text: str) -> str:
         return check_broker_url(text, memory=False, sentinel=False)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def load_chat_template(path: str, flag: str = "--chat-template") -> ChatTemplate:
+    """The chat template at ``path`` (a model folder or a .jinja file); a missing or unreadable
+    one is a ValueError naming the flag and the path, checked before a server starts."""
+    from kvgate.openai_request import ChatTemplate
+
+    try:
+        return ChatTemplate.from_path(path)
+    except (OSError, ValueError) as exc:  # (a JSON or Jinja syntax error is a ValueError)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"{flag} {path}: {reason}") from None
 
 
 class ListenError(Exception):

@@ -124,3 +124,19 @@ def test_gateway_broker_url_from_the_environment_is_checked_too(
 def test_good_broker_urls_pass(good: str) -> None:
     argv = ["router", "--broker", good]
     assert build_parser(argv).parse_args(argv).broker == good
+
+
+@pytest.mark.parametrize("command", ["gateway", "engine"])
+@pytest.mark.parametrize("bad", ["missing", "folder", "syntax"])
+def test_a_bad_chat_template_is_one_line_before_anything_starts(
+    command: str, bad: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing path was a FileNotFoundError traceback from the gateway's startup."""
+    path = {"missing": tmp_path / "nonexistent" / "dir", "folder": tmp_path}.get(bad)
+    if path is None:
+        path = tmp_path / "bad.jinja"
+        path.write_text("{% if %}")
+    argv = [*SERVERS[command], "--port", "0", "--chat-template", str(path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"kvgate {command}: error: --chat-template {path}: ")
