@@ -4,6 +4,7 @@ traceback, and the same line from every command (kvgate.cli_support is their one
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -140,3 +141,17 @@ def test_a_bad_chat_template_is_one_line_before_anything_starts(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"kvgate {command}: error: --chat-template {path}: ")
+
+
+@pytest.mark.parametrize("module", ["zmq", "msgspec"])
+def test_bridge_without_the_vllm_extra_names_it(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plain install has no pyzmq: that was a ModuleNotFoundError traceback."""
+    monkeypatch.setitem(sys.modules, module, None)  # (import raises ImportError)
+    argv = ["bridge", "vllm", "--zmq", "tcp://127.0.0.1:18401", "--model-dir", ".",
+            "--engine-url", "http://127.0.0.1:18402", "--broker", "memory://"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvgate bridge vllm: error: the vLLM bridge needs kvgate's 'vllm'")
+    assert f"missing: {module}" in err and "pip install 'kvgate[vllm]'" in err

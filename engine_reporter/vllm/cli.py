@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from kvgate.cli_support import broker_url
+from kvgate.cli_support import broker_url, usage_error
 from kvgate.cost_model import DEFAULT_PROFILE
 from kvgate.logs import setup_logging
 
@@ -176,6 +177,29 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# What the bridge imports from kvgate's optional ``vllm`` extra (pyproject.toml): a plain
+# ``pip install kvgate`` lacks them.
+VLLM_EXTRA_MODULES = ("zmq", "msgspec")
+
+
+def missing_extra() -> list[str]:
+    """The ``vllm`` extra's modules that cannot be imported here."""
+    missing = []
+    for module in VLLM_EXTRA_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
+    missing = missing_extra()
+    if missing:
+        return usage_error(
+            "kvgate bridge vllm",
+            f"the vLLM bridge needs kvgate's 'vllm' extra (missing: {', '.join(missing)}): "
+            "pip install 'kvgate[vllm]'",
+        )
     setup_logging(args.log_level)
     return asyncio.run(_serve(args))
