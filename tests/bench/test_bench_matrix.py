@@ -446,3 +446,10 @@ def test_pool_command_prints_verdicts_and_refuses_bad_documents(
     assert main(["bench", "matrix", "--pool", str(a), str(bad), "--out", str(out)]) == 2
     assert "kvgate bench matrix --pool:" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_docs_state_the_max_window_requests_default() -> None:
+    """docs/bench.md said 5,000 while the code, --help and README said 2,500."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "bench.md").read_text()
+    stated = f"`--max-window-requests`, {MatrixSpec().max_window_requests:,})"
+    assert stated in " ".join(text.split())
