@@ -453,7 +453,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out if given",
     )
     p.add_argument("--out", type=Path, default=None, help="default: results/matrix.json")
-    p.add_argument("--plots", type=Path, default=None, help="heatmap folder (default: beside out)")
+    p.add_argument(
+        "--plots",
+        type=Path,
+        default=None,
+        help="heatmap folder (default: beside out); heatmaps need matplotlib (the bench extra)",
+    )
     p.add_argument("--no-plots", action="store_true")
 
     p = sub.add_parser("report", help="Markdown tables and PNG plots from result JSONs")
@@ -605,7 +610,7 @@ def _run_fidelity(args: argparse.Namespace) -> int:
 
 
 def _run_matrix(args: argparse.Namespace) -> int:
-    from bench.matrix import MatrixSpec, draw_heatmaps, format_verdict, quick_spec, run_matrix
+    from bench.matrix import MatrixSpec, format_verdict, quick_spec, run_matrix
 
     if args.pool:
         return _pool_matrix(args)
@@ -662,16 +667,31 @@ def _run_matrix(args: argparse.Namespace) -> int:
     for skipped in doc.get("skipped", ()):
         print(f"skipped (no knee): {skipped['why']}")
     if not args.no_plots:
-        images = draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem)
-        for path in images:
-            print(f"wrote {path}")
+        _heatmaps(doc, args)
     print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")
     return 0
 
 
+def _heatmaps(doc: dict, args: argparse.Namespace) -> None:
+    """The matrix's heatmaps beside its JSON, or one line saying why there are none."""
+    from bench.matrix import draw_heatmaps
+
+    try:
+        paths = draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem)
+    except ImportError:
+        print(
+            "kvgate bench matrix: matplotlib is not installed; tables only (no heatmaps: "
+            "pip install 'kvgate[bench]')",
+            file=sys.stderr,
+        )
+        return
+    for path in paths:
+        print(f"wrote {path}")
+
+
 def _pool_matrix(args: argparse.Namespace) -> int:
     """``kvgate bench matrix --pool A.json B.json ...``: the verdicts on each cell's mean."""
-    from bench.matrix import draw_heatmaps, format_verdict, pool, save
+    from bench.matrix import format_verdict, pool, save
 
     try:
         doc = pool([orjson.loads(path.read_bytes()) for path in args.pool])
@@ -683,8 +703,7 @@ def _pool_matrix(args: argparse.Namespace) -> int:
     if args.out is not None:
         save(doc, args.out)
         if not args.no_plots:
-            for path in draw_heatmaps(doc, args.plots or args.out.parent, stem=args.out.stem):
-                print(f"wrote {path}")
+            _heatmaps(doc, args)
         print(f"wrote {args.out}")
     return 0
 

@@ -1029,15 +1029,14 @@ def heatmap_grid(doc: dict, metric: str) -> tuple[list[str], list[str], list[lis
 
 
 def draw_heatmaps(doc: dict, out_dir: Path, stem: str = "matrix") -> list[Path]:
-    """One PNG per metric (needs matplotlib; returns [] without it)."""
-    try:
-        import matplotlib
+    """One PNG per metric; ImportError without matplotlib (the caller says so: a silent
+    empty list left users looking for heatmaps that were never drawn)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import TwoSlopeNorm
-    except ImportError:
-        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for metric, (title, cmap, centre) in HEATMAP_METRICS.items():

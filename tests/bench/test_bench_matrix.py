@@ -453,3 +453,21 @@ def test_docs_state_the_max_window_requests_default() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "bench.md").read_text()
     stated = f"`--max-window-requests`, {MatrixSpec().max_window_requests:,})"
     assert stated in " ".join(text.split())
+
+
+def test_matrix_without_matplotlib_says_tables_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heatmaps were silently skipped: now one line says why, as bench report's does."""
+    import sys
+
+    from kvgate.cli import main
+
+    cell = {"rate": 1.0, "scale": 1.0, "runs": [_run("e2", 0.9, 900.0)]}
+    a = tmp_path / "a.json"
+    a.write_bytes(orjson.dumps(_matrix_doc([cell], 0)))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import raises ImportError)
+    assert main(["bench", "matrix", "--pool", str(a), "--out", str(tmp_path / "p.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("matplotlib is not installed; tables only") == 1
+    assert not list(tmp_path.glob("*.png"))
