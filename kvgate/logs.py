@@ -310,4 +310,13 @@ def run(args: argparse.Namespace) -> int:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
     else:
         print(format_explain(summary))
+    if not summary["requests"] and summary["other_lines"] + summary["skipped_lines"]:
+        print(NO_RECORDS_HINT, file=sys.stderr)
     return 0 if summary["requests"] else 1
+
+
+# Why lines without a record are the usual surprise: ``kvgate gateway ... > gateway.log``.
+NO_RECORDS_HINT = (
+    "kvgate logs explain: no access-log record in this input: the gateway writes its access "
+    "log to standard error (kvgate gateway ... 2> gateway.log), unless --no-access-log"
+)

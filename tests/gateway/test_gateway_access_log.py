@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -168,3 +169,19 @@ def test_log_lines_survive_odd_text() -> None:
         root.setLevel(level)
     written = orjson.loads(stream.getvalue())
     assert written["model"] == "\\udcffabc" and written["request_id"] == "\\udcffabc"
+
+
+def test_explain_hints_where_the_access_log_is_when_it_finds_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A gateway's stdout redirected to a file holds no access log (it is on stderr): the
+    summary of 0 requests now says where to look."""
+    log = tmp_path / "gateway.log"
+    log.write_text('{"msg": "gateway listening", "level": "info"}\nplain text\n')
+    assert kvgate_main(["logs", "explain", str(log)]) == 1
+    err = capsys.readouterr().err
+    assert "no access-log record" in err and "2> gateway.log" in err
+    empty = tmp_path / "empty.log"
+    empty.write_text("")
+    assert kvgate_main(["logs", "explain", str(empty)]) == 1
+    assert capsys.readouterr().err == ""  # nothing read: nothing to hint about
