@@ -26,6 +26,7 @@ from pathlib import Path
 
 import orjson
 
+from bench import read_json
 from bench.workloads import WORKLOADS, WorkloadOptions
 from engine.scheduler import POLICIES as SCHEDULERS
 from kvgate.cli_support import non_negative_float, positive_float, positive_int
@@ -61,6 +62,33 @@ def _names(text: str) -> tuple[str, ...]:
     if not out:
         raise argparse.ArgumentTypeError("want at least one name")
     return tuple(out)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers (seeds)."""
+    try:
+        return tuple(int(x) for x in _names(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers, got {text!r}") from None
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """Comma-separated counts >= 1 (engines)."""
+    vals = _ints(text)
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"want counts >= 1, got {text!r}")
+    return vals
+
+
+def _schedulers(text: str) -> tuple[str, ...]:
+    """Comma-separated engine scheduler names, checked against the engine's registry."""
+    names = _names(text)
+    for name in names:
+        if name not in SCHEDULERS:
+            raise argparse.ArgumentTypeError(
+                f"unknown scheduler {name!r} (known: {', '.join(SCHEDULERS)})"
+            )
+    return names
 
 
 def _policy_specs(text: str) -> tuple[str, ...]:
@@ -320,7 +348,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="router policies, comma-separated; options as e2[rebalance=false] "
         "(aliases: see bench/sim/policies.py, e.g. e2-no-m, e2-no-band, e2-rebalance)",
     )
-    p.add_argument("--schedulers", type=_names, default=("slo",), help="slo, fcfs, preble")
+    p.add_argument(
+        "--schedulers",
+        type=_schedulers,
+        default=("slo",),
+        help=f"engine schedulers, comma-separated: {', '.join(SCHEDULERS)}",
+    )
     p.add_argument("--rate-scale", type=_floats, default=(1.0,), help="one or more, e.g. 1,2,4")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--cprofile", type=Path, default=None, help="write cProfile files here")
@@ -359,10 +392,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a slice: 4 workloads, 4 and 16 engines")
     p.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads")
     p.add_argument("--policies", type=_names, default=None, help="default: every policy")
-    p.add_argument("--fleets", type=_names, default=None, help="engine counts, e.g. 4,16,64")
+    p.add_argument("--fleets", type=_counts, default=None, help="engine counts, e.g. 4,16,64")
     p.add_argument("--kinds", type=_names, default=None, help="homo, hetero")
     p.add_argument("--rates", type=_floats, default=None, help="multiples of the knee")
-    p.add_argument("--seeds", type=_names, default=None, help="e.g. 0,1,2 (knee from the first)")
+    p.add_argument("--seeds", type=_ints, default=None, help="e.g. 0,1,2 (knee from the first)")
     p.add_argument(
         "--workload-seed",
         type=int,
@@ -621,9 +654,9 @@ def _run_matrix(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             changes[name] = tuple(getattr(args, name))
     if args.fleets is not None:
-        changes["fleets"] = tuple(int(x) for x in args.fleets)
+        changes["fleets"] = args.fleets
     if args.seeds is not None:
-        changes["seeds"] = tuple(int(x) for x in args.seeds)
+        changes["seeds"] = args.seeds
     for name in (
         "requests_per_engine",
         "min_requests",
@@ -694,7 +727,7 @@ def _pool_matrix(args: argparse.Namespace) -> int:
     from bench.matrix import format_verdict, pool, save
 
     try:
-        doc = pool([orjson.loads(path.read_bytes()) for path in args.pool])
+        doc = pool([read_json(path) for path in args.pool])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"kvgate bench matrix --pool: {exc}", file=sys.stderr)
         return 2

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import orjson
 
+from bench import read_json
 from bench.sim.runner import SimConfig, run_one
 from bench.sim.world import LinkConfig
 from bench.workloads import Request, WorkloadOptions, build_workload, scale_rate, trace_format
@@ -469,8 +470,8 @@ def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, in
     document drawn with another ``workload_seed`` the knees are taken as rates (the same
     workload's other draws load a fleet alike) without their baseline run, which was of other
     requests."""
-    doc = orjson.loads(path.read_bytes())
-    if doc.get("kind") != "kvgate-matrix":
+    doc = read_json(path)
+    if not isinstance(doc, dict) or doc.get("kind") != "kvgate-matrix":
         raise ValueError(f"{path}: not a kvgate-matrix document")
     if spec is not None:
         theirs = doc.get("spec") or {}

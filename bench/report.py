@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
+from bench import read_json
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def load_runs(paths: Sequence[Path]) -> tuple[list[Run], list[dict]]:
     runs: list[Run] = []
     fidelity: list[dict] = []
     for path in paths:
-        data = orjson.loads(Path(path).read_bytes())
-        kind = data.get("kind")
+        data = read_json(path)
+        kind = data.get("kind") if isinstance(data, dict) else None
         if kind == "kvgate-fidelity":
             fidelity.append(data)
             continue

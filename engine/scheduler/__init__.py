@@ -27,11 +27,13 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 
 def make_policy(name: str) -> Policy:
-    """A fresh policy by registry key; ValueError naming the known ones otherwise."""
+    """A fresh policy by registry key; ValueError naming the known ones otherwise (it says
+    scheduler: the router's policies are another registry, and users name both)."""
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})") from None
+        known = ", ".join(POLICIES)
+        raise ValueError(f"unknown scheduler {name!r} (known: {known})") from None
 
 
 __all__ = [

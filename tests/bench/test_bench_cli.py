@@ -287,3 +287,28 @@ def test_sim_policy_option_of_the_wrong_type_is_refused_at_parsing(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "argument --policies" in err and words in err
+
+
+def test_messages_name_the_scheduler_the_flag_and_the_file(tmp_path: Path, capsys) -> None:
+    from engine.scheduler import make_policy
+
+    with pytest.raises(ValueError, match="unknown scheduler 'bogus'"):
+        make_policy("bogus")  # (it said "unknown policy", as if a router policy)
+    for argv, words in (
+        (["bench", "sim", "--schedulers", "slo,bogus"],
+         "argument --schedulers: unknown scheduler 'bogus' (known: slo, fcfs, preble)"),
+        (["bench", "matrix", "--seeds", "x"], "argument --seeds: want comma-separated integers"),
+        (["bench", "matrix", "--fleets", "4,x"], "argument --fleets: want comma-separated"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            build_parser(argv).parse_args(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    for argv in (
+        ["bench", "report", "--inputs", str(corrupt), "--out", str(tmp_path / "r.md")],
+        ["bench", "matrix", "--quick", "--knees-from", str(corrupt), "--out",
+         str(tmp_path / "m.json")],
+    ):  # fmt: skip
+        assert main(argv) == 2
+        assert f"{corrupt}: not a JSON document" in capsys.readouterr().err
