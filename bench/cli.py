@@ -192,7 +192,13 @@ def _workload_options(args: argparse.Namespace, rate_scale: float = 1.0) -> Work
 
 def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
     g = p.add_argument_group("simulated cluster")
-    g.add_argument("--engines", type=int, default=engines)
+    g.add_argument(
+        "--engines",
+        type=positive_int,
+        default=None,
+        help=f"simulated engines (default {engines}, or as many as --roles/--speeds name)",
+    )
+    p.set_defaults(default_engines=engines)
     g.add_argument("--profile", default="mistral-7b-a6000", help="engine cost profile")
     g.add_argument(
         "--link-delay", type=float, default=0.002, help="engine event -> router delay, s"
@@ -555,7 +561,12 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
     sized = roles or speeds
     if roles and speeds and len(roles) != len(speeds):
         raise ValueError(f"--roles names {len(roles)} engines and --speeds {len(speeds)}")
-    engines = len(sized) if sized else args.engines
+    engines = args.engines
+    if sized and engines is not None and engines != len(sized):
+        flag = "--roles" if roles else "--speeds"
+        raise ValueError(f"--engines {engines}, but {flag} names {len(sized)} engines")
+    if engines is None:
+        engines = len(sized) if sized else args.default_engines
     joins = None
     join = getattr(args, "join", None)
     if join is not None:

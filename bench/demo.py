@@ -33,7 +33,14 @@ from aiohttp import web
 from gateway.app import GATEWAY_KEY, Gateway, create_app, serve
 from gateway.config import GatewayConfig
 from gateway.routing import embedded_routing
-from kvgate.cli_support import ListenError, listening, port, usage_error
+from kvgate.cli_support import (
+    ListenError,
+    listening,
+    port,
+    positive_float,
+    positive_int,
+    usage_error,
+)
 from kvgate.logs import setup_logging
 from kvgate.slo import SLO_CLASSES
 
@@ -251,10 +258,16 @@ async def serve_demo(opts: DemoOptions, policy: str, port: int) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoOptions()
-    parser.add_argument("--engines", type=int, default=d.engines, help="simulated engines (4)")
-    parser.add_argument("--duration", type=float, default=d.duration_s, help="seconds of arrivals")
-    parser.add_argument("--rate", type=float, default=d.rate, help="requests/s offered (16)")
-    parser.add_argument("--max-requests", type=int, default=d.max_requests)
+    parser.add_argument(
+        "--engines", type=positive_int, default=d.engines, help="simulated engines (4)"
+    )
+    parser.add_argument(
+        "--duration", type=positive_float, default=d.duration_s, help="seconds of arrivals"
+    )
+    parser.add_argument(
+        "--rate", type=positive_float, default=d.rate, help="requests/s offered (16)"
+    )
+    parser.add_argument("--max-requests", type=positive_int, default=d.max_requests)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
         "--policies",
@@ -288,10 +301,10 @@ def check_policies(specs: Sequence[str]) -> str | None:
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     opts = DemoOptions(
-        engines=max(1, args.engines),
-        duration_s=max(1.0, args.duration),
-        rate=max(0.1, args.rate),
-        max_requests=max(1, args.max_requests),
+        engines=args.engines,
+        duration_s=args.duration,
+        rate=args.rate,
+        max_requests=args.max_requests,
         seed=args.seed,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
     )

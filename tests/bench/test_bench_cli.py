@@ -312,3 +312,30 @@ def test_messages_name_the_scheduler_the_flag_and_the_file(tmp_path: Path, capsy
     ):  # fmt: skip
         assert main(argv) == 2
         assert f"{corrupt}: not a JSON document" in capsys.readouterr().err
+
+
+def test_engines_disagreeing_with_speeds_or_roles_is_refused(tmp_path: Path, capsys) -> None:
+    """--engines 4 --speeds 1:2,2:1 ran 3 engines without a word."""
+    out = str(tmp_path / "x.json")
+    for sized, n in (("--speeds", "1:2,2:1"), ("--roles", "prefill:1,decode:1")):
+        rc = main(["bench", "sim", "--trace", "tool_use", "--engines", "4", sized, n,
+                   "--out", out])  # fmt: skip
+        assert rc == 2
+        err = capsys.readouterr().err
+        assert f"--engines 4, but {sized} names" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["demo", "--engines", "0"], "--engines"), (["demo", "--engines", "-3"], "--engines"),
+     (["demo", "--duration", "-2"], "--duration"), (["demo", "--rate", "0"], "--rate"),
+     (["demo", "--max-requests", "0"], "--max-requests"),
+     (["bench", "sim", "--engines", "0"], "--engines")],
+)  # fmt: skip
+def test_demo_and_sim_counts_and_durations_must_be_positive(
+    argv: list[str], flag: str, capsys
+) -> None:
+    """demo --engines 0 ran one engine and --duration -2 one second, silently."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(argv).parse_args(argv)
+    assert exit_.value.code == 2 and f"argument {flag}: want" in capsys.readouterr().err
