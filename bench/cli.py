@@ -29,7 +29,7 @@ import orjson
 from bench import read_json
 from bench.workloads import WORKLOADS, WorkloadOptions
 from engine.scheduler import POLICIES as SCHEDULERS
-from kvgate.cli_support import non_negative_float, positive_float, positive_int
+from kvgate.cli_support import http_url, non_negative_float, positive_float, positive_int
 from kvgate.cost_model import ProfileError, load_profile
 
 RESULTS = Path("results/tmp")  # git-ignored; pass --out for results to keep
@@ -328,7 +328,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     p = sub.add_parser("replay", help="live open-loop replay to an OpenAI-compatible URL")
-    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url", type=http_url, required=True, help="base URL, e.g. http://127.0.0.1:8000"
+    )
     _add_workload_args(p)
     p.add_argument("--rate-scale", type=float, default=1.0, help="compress time: x2 = 2x rate")
     p.add_argument("--max-duration", type=float, default=None, help="send nothing after N s")
@@ -536,6 +538,14 @@ def _run_replay(args: argparse.Namespace) -> int:
     result.write(jsonl, summary)
     _print_summary(result.summary)
     print(f"wrote {jsonl} and {summary}")
+    if result.records and not any(r.ok for r in result.records):
+        first = next((r for r in result.records if r.error), result.records[0])
+        print(
+            f"kvgate bench replay: no request succeeded; the first failed with status "
+            f"{first.status}: {first.error or 'no error text'}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

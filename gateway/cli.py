@@ -23,6 +23,7 @@ from gateway.workers import RestartPolicy, Supervisor, multi_worker_error, resol
 from kvgate.cli_support import (
     ListenError,
     broker_url,
+    http_url,
     listening,
     load_chat_template,
     port,
@@ -71,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("routing")
     r.add_argument(
         "--router-url",
+        type=http_url,
         help="use a remote `kvgate router` at this URL instead of the embedded router",
     )
     r.add_argument(

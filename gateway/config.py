@@ -7,7 +7,8 @@ CLI, the demo and tests build the same :class:`GatewayConfig`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+
+from kvgate.cli_support import check_http_url
 
 MiB = 1024 * 1024
 # the gateway's own HTTP server (gateway.httpserver): a request's whole head, and its whole body,
@@ -72,13 +73,6 @@ class GatewayConfig:
     forward_slo: str = "none"  # --forward-slo: the SLO in vllm_xargs (kvgate.slo_forward)
 
 
-def _check_url(url: str, what: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"{what}: {url!r} is not an http(s) URL")
-    return url.rstrip("/")
-
-
 def parse_engine_spec(spec: str) -> StaticEngine:
     """``ID=URL[,MODEL...][,role=ROLE]`` -> :class:`StaticEngine` (ValueError with the reason
     if invalid)."""
@@ -91,7 +85,9 @@ def parse_engine_spec(spec: str) -> StaticEngine:
     role = roles[-1] if roles else "both"
     if role not in ("both", "prefill", "decode"):
         raise ValueError(f"--engine {spec!r}: role must be both, prefill or decode")
-    return StaticEngine(engine_id.strip(), _check_url(url, f"--engine {engine_id}"), models, role)
+    return StaticEngine(
+        engine_id.strip(), check_http_url(url, f"--engine {engine_id}"), models, role
+    )
 
 
 def parse_template_spec(spec: str) -> tuple[str | None, str]:

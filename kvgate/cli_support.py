@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from kvgate.openai_request import ChatTemplate
@@ -60,6 +61,29 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """argparse type: a number >= 0 (a start time, a delay)."""
     return _number(text, float, ">= 0", lambda v: 0 <= v < float("inf"))
+
+
+def check_http_url(url: str, what: str = "") -> str:
+    """``url`` without a trailing slash if it is an http(s) URL with a host and a valid port,
+    else ValueError naming ``what`` (the flag): a server given ``notaurl`` would otherwise
+    start and answer 503 forever, a client exit 0 having sent nothing."""
+    parts = urlsplit(url)
+    bad = f"{what}: " * bool(what) + f"{url!r} is not an http(s) URL"
+    try:
+        parts.port  # noqa: B018 (raises ValueError on a port that is not a number 0-65535)
+    except ValueError as exc:
+        raise ValueError(f"{bad} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{bad} (want http(s)://HOST[:PORT])")
+    return url.rstrip("/")
+
+
+def http_url(text: str) -> str:
+    """argparse type: an http(s) base URL (:func:`check_http_url`)."""
+    try:
+        return check_http_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def broker_url(text: str) -> str:

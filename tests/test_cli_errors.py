@@ -155,3 +155,39 @@ def test_bridge_without_the_vllm_extra_names_it(
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvgate bridge vllm: error: the vLLM bridge needs kvgate's 'vllm'")
     assert f"missing: {module}" in err and "pip install 'kvgate[vllm]'" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["gateway", "--router-url", "notaurl"], ["gateway", "--router-url", "http://h:abc"],
+     ["bench", "replay", "--url", "notaurl"]],
+)  # fmt: skip
+def test_a_url_that_is_not_http_is_refused_at_parsing(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gateway started and answered 503 forever; the replay exited 0 having sent nothing."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser(argv).parse_args(argv)
+    assert exc.value.code == 2
+    assert f"{argv[-2]}: {argv[-1]!r} is not an http(s) URL" in capsys.readouterr().err
+
+
+def test_replay_that_no_request_survives_says_why_and_fails(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dead port: every request a connection error, which the run now names, exit 1."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    for dead in PORTS:  # a port of the test range that nothing listens on
+        try:
+            sock.bind(("127.0.0.1", dead))
+            break
+        except OSError:
+            continue
+    sock.close()
+    rc = main(["bench", "replay", "--url", f"http://127.0.0.1:{dead}", "--trace", "tool_use",
+               "--duration", "2", "--timeout", "5", "--no-progress",
+               "--out", str(tmp_path / "r")])  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "no request succeeded; the first failed with status 0:" in err
+    assert f"127.0.0.1:{dead}" in err
