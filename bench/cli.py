@@ -399,7 +399,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a slice: 4 workloads, 4 and 16 engines")
     p.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads")
-    p.add_argument("--policies", type=_names, default=None, help="default: every policy")
+    p.add_argument(
+        "--policies",
+        type=_policy_specs,
+        default=None,
+        help="router policy specs, as bench sim's (default: every policy)",
+    )
     p.add_argument("--fleets", type=_counts, default=None, help="engine counts, e.g. 4,16,64")
     p.add_argument("--kinds", type=_names, default=None, help="homo, hetero")
     p.add_argument("--rates", type=_floats, default=None, help="multiples of the knee")

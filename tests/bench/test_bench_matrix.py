@@ -471,3 +471,18 @@ def test_matrix_without_matplotlib_says_tables_only(
     err = capsys.readouterr().err
     assert err.count("matplotlib is not installed; tables only") == 1
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_matrix_refuses_a_bad_policy_before_any_calibration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """e2[foo=1] was refused only after the knees were calibrated (minutes of simulation)."""
+    from kvgate.cli import build_parser
+
+    for spec, words in (("e2[foo=1]", "unknown option(s) foo"), ("nope", "unknown policy")):
+        argv = ["bench", "matrix", "--quick", "--policies", f"round_robin,{spec}"]
+        with pytest.raises(SystemExit) as exit_:
+            build_parser(argv).parse_args(argv)  # nothing has run yet
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --policies" in err and words in err
