@@ -161,7 +161,7 @@ class EngineCore(SchedBook):
         p = self.profile
         hashes = self.cache.key_hashes(req.key)
         matched = self.cache.match(hashes)
-        need = kv_blocks_needed(p, len(req.key), req.input_tokens, req.output_tokens)
+        need = p.kv_blocks_needed(len(req.key), req.input_tokens, req.output_tokens)
         self._seq += 1
         st = ReqState(
             req=req,
@@ -555,16 +555,6 @@ class EngineCore(SchedBook):
             return
         self.cache.release(st.request_id, now)
         self._leave_ledger(st)
-
-
-def kv_blocks_needed(
-    profile: CostProfile, key_bytes: int, input_tokens: int, output_tokens: int
-) -> int:
-    """The KV blocks a request holds at its longest: its prompt and whole answer, and at least
-    its key's whole blocks. More than ``profile.kv_blocks`` and no engine of this profile can
-    ever hold it: the live engine says so before admission (400), the core refuses it."""
-    key_blocks = key_bytes // profile.block_bytes
-    return max(key_blocks, -(-(input_tokens + output_tokens) // profile.block_tokens))
 
 
 def output_filler(request_id: str, n_bytes: int) -> bytes:

@@ -39,7 +39,7 @@ from aiohttp import HttpVersion11, web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.core import EngineCore, EngineRequest, Output, Usage, kv_blocks_needed
+from engine.core import EngineCore, EngineRequest, Output, Usage
 from engine.scheduler.state import SchedulerConfig
 from engine.text import tokens_text
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
@@ -548,7 +548,7 @@ def _context_error(
     it has in all): OpenAI's 400 ``context_length_exceeded``, before any work. Not the
     scheduler's 429: no wait makes room for it, and a client retries a 429."""
     p = server.profile
-    if kv_blocks_needed(p, len(parsed.key), input_tokens, output_tokens) <= p.kv_blocks:
+    if p.kv_blocks_needed(len(parsed.key), input_tokens, output_tokens) <= p.kv_blocks:
         return None
     limit = p.kv_blocks * p.block_tokens
     param = "messages" if parsed.endpoint == "chat" else "prompt"

@@ -282,6 +282,14 @@ class CostProfile:
         """The documented token rule: ceil(bytes / bytes_per_token), at least 1 for a request."""
         return max(1, -(-int(n_bytes) // self.bytes_per_token))
 
+    def kv_blocks_needed(self, key_bytes: int, input_tokens: int, output_tokens: int) -> int:
+        """The KV blocks a request holds at its longest: its prompt and whole answer, and at
+        least its key's whole blocks. More than ``kv_blocks`` and no engine of this profile can
+        ever hold it (the live engine answers 400 before admission, its core refuses it, the
+        router tells a shed of it apart)."""
+        key_blocks = key_bytes // self.block_bytes
+        return max(key_blocks, -(-(input_tokens + output_tokens) // self.block_tokens))
+
     def prompt_tokens(self, input_tokens: int, key_bytes: int) -> int:
         """A prompt's tokens on this engine: the count the request states, or the token rule on
         its key when that says more (a count of 0 or a stale one)."""
@@ -386,17 +394,25 @@ def load_profile(name_or_path: str) -> CostProfile:
     its name: :func:`announced_profile`)."""
     if name_or_path.startswith("{"):
         return _inline_profile(name_or_path)
-    base, at, factor = name_or_path.rpartition("@x")
-    if at and base:
-        try:
-            k = float(factor)
-        except ValueError:
-            raise ProfileError(f"{name_or_path}: want NAME@xFACTOR, e.g. NAME@x2") from None
-        return load_profile(base).slowed(k)
+    variant = _speed_variant(name_or_path)
+    if variant is not None:
+        return load_profile(variant[0]).slowed(variant[1])
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.json"
     return _load_cached(str(path.resolve()))
+
+
+def _speed_variant(spec: str) -> tuple[str, float] | None:
+    """``NAME@xK`` as (NAME, K); None for a spec without a factor. ProfileError if K is not a
+    number (its range is :meth:`CostProfile.slowed`'s to check)."""
+    base, at, factor = spec.rpartition("@x")
+    if not (at and base):
+        return None
+    try:
+        return base, float(factor)
+    except ValueError:
+        raise ProfileError(f"{spec[:80]!r}: want NAME@xFACTOR, e.g. NAME@x2") from None
 
 
 @cache
@@ -404,7 +420,7 @@ def _load_cached(path: str) -> CostProfile:
     try:
         data = orjson.loads(Path(path).read_bytes())
     except FileNotFoundError as exc:
-        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+        known = ", ".join(sorted(builtin_profile_names()))
         raise ProfileError(f"no profile {path} (built-in: {known})") from exc
     except orjson.JSONDecodeError as exc:
         raise ProfileError(f"{path}: invalid JSON: {exc}") from exc
@@ -442,15 +458,11 @@ def _resolve_named(spec: str, known: Mapping[str, CostProfile], depth: int) -> C
     found = known.get(spec)
     if found is not None:
         return found
-    base, at, factor = spec.rpartition("@x")
-    if at and base:
+    variant = _speed_variant(spec)
+    if variant is not None:
         if depth >= MAX_VARIANT_DEPTH:
             raise ProfileError(f"{spec[:80]!r}: more than {MAX_VARIANT_DEPTH} speed factors")
-        try:
-            k = float(factor)
-        except ValueError:
-            raise ProfileError(f"{spec[:80]!r}: want NAME@xFACTOR, e.g. NAME@x2") from None
-        return _resolve_named(base, known, depth + 1).slowed(k)
+        return _resolve_named(variant[0], known, depth + 1).slowed(variant[1])
     if spec in builtin_profile_names():
         return load_profile(spec)
     raise ProfileError(

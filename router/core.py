@@ -195,8 +195,8 @@ class Router:
             if eng.heartbeat is None:
                 return shed
             blocks = kv_blocks(p, eng.heartbeat)
-            tokens = p.prompt_tokens(req.input_tokens, len(req.key)) + req.max_tokens
-            if -(-tokens // p.block_tokens) <= blocks:
+            prompt = p.prompt_tokens(req.input_tokens, len(req.key))
+            if p.kv_blocks_needed(len(req.key), prompt, req.max_tokens) <= blocks:
                 return shed
             most = max(most, blocks * p.block_tokens)
         if most == 0:
