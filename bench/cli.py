@@ -196,7 +196,8 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
         "--engines",
         type=positive_int,
         default=None,
-        help=f"simulated engines (default {engines}, or as many as --roles/--speeds name)",
+        help=f"simulated engines (default {engines}, or as many as --roles, --speeds or "
+        "--engine-profiles name)",
     )
     p.set_defaults(default_engines=engines)
     g.add_argument("--profile", default="mistral-7b-a6000", help="engine cost profile")
@@ -233,6 +234,16 @@ def _add_sim_world_args(p: argparse.ArgumentParser, engines: int = 16) -> None:
         metavar="FACTOR:N,...",
         help="a mixed fleet: engines by time factor in order, e.g. 1:8,2:8 (8 at the profile's "
         "speed, 8 taking twice as long; their sum is the engine count)",
+    )
+    g.add_argument(
+        "--engine-profiles",
+        type=parse_engine_profiles,
+        default=None,
+        metavar="PROFILE:N,...",
+        help="a fleet of GPU generations: engines by cost profile in order (a name, a JSON path "
+        "or NAME@xK), e.g. mistral-7b-a6000:8,my-24gb-card.json:8; each announces its own, "
+        "--speeds slowing it on top as --announce says (default: --profile for every engine; "
+        "every profile must share --profile's bytes_per_token)",
     )
     g.add_argument(
         "--announce",
@@ -321,6 +332,20 @@ def parse_speeds(spec: str) -> tuple[float, ...]:
         out += [f] * int(n)
     if not out:
         raise argparse.ArgumentTypeError("--speeds: no engine")
+    return tuple(out)
+
+
+def parse_engine_profiles(spec: str) -> tuple[str, ...]:
+    """``a6000:8,other.json:8`` -> each engine's profile spec, in order (checked when the
+    fleet is built: a missing profile is a clear error there)."""
+    out: list[str] = []
+    for part in spec.split(","):
+        name, _, n = part.strip().rpartition(":")
+        if not name or not n.isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--engine-profiles {spec!r}: expected PROFILE:N,... with N >= 1"
+            )
+        out += [name] * int(n)
     return tuple(out)
 
 
@@ -457,6 +482,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--slow-factor", type=float, default=None, help="hetero: slow engines' factor")
     p.add_argument(
+        "--hetero-profile",
+        default=None,
+        metavar="PROFILE",
+        help="hetero: every second engine runs this profile, slowed by --slow-factor, and "
+        "announces it at its nominal speed: two GPU generations, their KV memory and block "
+        "size differing too (default: --profile; must share its bytes_per_token)",
+    )
+    p.add_argument(
         "--profile",
         default=None,
         help="the engines' cost profile: a name, a JSON path, or NAME@xK for hardware K times "
@@ -573,15 +606,23 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
 
     roles = getattr(args, "roles", None)
     speeds = getattr(args, "speeds", None)
-    sized = roles or speeds
-    if roles and speeds and len(roles) != len(speeds):
-        raise ValueError(f"--roles names {len(roles)} engines and --speeds {len(speeds)}")
+    profiles = getattr(args, "engine_profiles", None)
+    named = {
+        flag: len(v)
+        for flag, v in (("--roles", roles), ("--speeds", speeds), ("--engine-profiles", profiles))
+        if v
+    }
+    if len(set(named.values())) > 1:
+        raise ValueError(
+            "the fleet flags name different engine counts: "
+            + ", ".join(f"{flag} {n}" for flag, n in named.items())
+        )
     engines = args.engines
-    if sized and engines is not None and engines != len(sized):
-        flag = "--roles" if roles else "--speeds"
-        raise ValueError(f"--engines {engines}, but {flag} names {len(sized)} engines")
+    for flag, n in named.items():
+        if engines is not None and engines != n:
+            raise ValueError(f"--engines {engines}, but {flag} names {n} engines")
     if engines is None:
-        engines = len(sized) if sized else args.default_engines
+        engines = next(iter(named.values()), args.default_engines)
     joins = None
     join = getattr(args, "join", None)
     if join is not None:
@@ -595,6 +636,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig (import kept lazy)
         outages=tuple(getattr(args, "outage", None) or ()),
         roles=roles,
         speeds=speeds,
+        profiles=profiles,
         slow_announce=getattr(args, "announce", "same"),
         kv_link_gbps=getattr(args, "kv_link_gbps", 100.0),
         kv_bytes_per_token=getattr(args, "kv_bytes_per_token", 131_072),
@@ -640,8 +682,12 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _run_fidelity(args: argparse.Namespace) -> int:
     from bench.fidelity import FidelitySpec, run_fidelity
 
-    if getattr(args, "speeds", None):
-        raise ValueError("--speeds: the live engines of a fidelity run all run the profile")
+    for flag in ("speeds", "engine_profiles"):
+        if getattr(args, flag, None):
+            raise ValueError(
+                f"--{flag.replace('_', '-')}: the live engines of a fidelity run all run the "
+                "profile"
+            )
     if getattr(args, "join", None):
         raise ValueError("--join: a fidelity run's live engines all start together")
 
@@ -690,6 +736,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
         "min_window_s",
         "max_window_requests",
         "slow_factor",
+        "hetero_profile",
         "profile",
         "scheduler",
         "reporting",
@@ -709,10 +756,13 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print(f"kvgate bench matrix: {exc}", file=sys.stderr)
         return 2
     from bench.matrix import load_knees
+    from bench.sim.runner import SimConfig
 
     try:
         load_profile(spec.profile)
-    except ProfileError as exc:
+        if spec.hetero_profile:
+            SimConfig(engines=2, profile=spec.profile, profiles=(spec.profile, spec.hetero_profile))
+    except (ProfileError, ValueError) as exc:
         print(f"kvgate bench matrix: {exc}", file=sys.stderr)
         return 2
 

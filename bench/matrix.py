@@ -134,6 +134,11 @@ class MatrixSpec:
     scheduler: str = "slo"
     slow_factor: float = 2.0
     profile: str = "mistral-7b-a6000"
+    # hetero: every second engine runs this profile, slowed by ``slow_factor``, and announces
+    # it at its nominal speed: a fleet of two GPU generations, whose KV memory and block size
+    # differ too (the router finds the slowdown online, as in the default hetero fleet; "":
+    # ``profile``)
+    hetero_profile: str = ""
     baseline: str = "round_robin"  # the policy whose knee defines the rates
     # run the requests the router sheds anyway (bench.sim.world.LinkConfig.run_shed): how
     # many of them would have missed their SLO (the SLO filter's precision)
@@ -194,6 +199,11 @@ class MatrixSpec:
             ),
             seed=seed,
             slow_factor=self.slow_factor if kind == "hetero" else 1.0,
+            profiles=(
+                tuple(self.hetero_profile if i % 2 else self.profile for i in range(fleet))
+                if kind == "hetero" and self.hetero_profile
+                else None
+            ),
         )
 
     def combos(self) -> list[tuple[str, int, str]]:
@@ -476,7 +486,7 @@ def load_knees(path: Path, spec: MatrixSpec | None = None) -> dict[tuple[str, in
     if spec is not None:
         theirs = doc.get("spec") or {}
         default = MatrixSpec()  # (what an older file that lacks a field ran on)
-        for name in ("scheduler", "profile", "slow_factor", "min_window_s"):
+        for name in ("scheduler", "profile", "slow_factor", "min_window_s", "hetero_profile"):
             had = theirs.get(name, LEGACY_SPEC.get(name, getattr(default, name)))
             if had != getattr(spec, name):
                 raise ValueError(

@@ -62,6 +62,11 @@ class SimConfig:
     slow_factor: float = 1.0
     # or each engine's own time factor (0.5: twice as fast), overriding slow_factor
     speeds: tuple[float, ...] | None = None
+    # each engine's own cost profile (a name, path or ``NAME@xK``; None: ``profile`` for all):
+    # a fleet of two GPU generations, whose KV memory and block size differ as well as their
+    # speed; each engine announces its own (its operator configured it), the speed factors above
+    # applying on top of it as ``slow_announce`` says
+    profiles: tuple[str, ...] | None = None
     # what engines off their profile announce: "same" (the configured profile's name: the
     # router is not told, as with a mis-profiled engine) or "true" (their ``NAME@xK`` profile)
     slow_announce: str = "same"
@@ -104,13 +109,29 @@ class SimConfig:
             raise ValueError(f"outages: engine indexes run from 0 to {self.engines - 1}")
         if self.slow_announce not in ("same", "true"):
             raise ValueError("slow_announce must be 'same' or 'true'")
+        if self.profiles is not None:
+            if len(self.profiles) != self.engines:
+                raise ValueError("profiles: one profile per engine")
+            # (the workload's keys are written at one tokenizer's bytes a token: one model)
+            widths = {p.bytes_per_token for p in self.base_profiles()}
+            widths.add(load_profile(self.profile).bytes_per_token)
+            if len(widths) > 1:
+                raise ValueError(
+                    "profiles: every engine's profile must have the workload profile's "
+                    f"bytes_per_token (one model, one tokenizer), not {sorted(widths)}"
+                )
+
+    def base_profiles(self) -> list[CostProfile]:
+        """Each engine's configured profile (what it announces unless ``slow_announce`` is
+        "true"), in engine order."""
+        specs = self.profiles or (self.profile,) * self.engines
+        return [load_profile(spec) for spec in specs]
 
     def engine_profiles(self) -> list[CostProfile]:
-        """Each engine's true cost profile, in engine order (what it announces:
-        :func:`build_world`)."""
-        base = load_profile(self.profile)
+        """Each engine's true cost profile, in engine order (its configured one, slowed by its
+        speed factor: :func:`build_world`)."""
         factors = self.speeds or [self.slow_factor if i % 2 else 1.0 for i in range(self.engines)]
-        return [base.slowed(f) for f in factors]
+        return [base.slowed(f) for base, f in zip(self.base_profiles(), factors, strict=True)]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,9 +183,10 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
     # Only first tokens, finishes and rejections: the simulator needs no per-token outputs.
     sched_cfg = SchedulerConfig(stream_outputs=False)
     roles = cfg.roles or ("both",) * cfg.engines
-    # an engine runs its true profile and names the nominal one (slow_announce "same"): routers
-    # must find out how fast it really is
+    # an engine runs its true profile and names its configured one (slow_announce "same"):
+    # routers must find out how fast it really is
     profiles = cfg.engine_profiles()
+    configured = cfg.base_profiles()
 
     def make_engine(index: int) -> EngineCore:
         """Engine ``index``'s process (a new one, cold, when it restarts after an outage)."""
@@ -175,7 +197,7 @@ def build_world(policy: str, scheduler: str, cfg: SimConfig, *, predictions: boo
             policy=scheduler,
             config=sched_cfg,
             role=roles[index],
-            announced=profile if cfg.slow_announce == "same" else prof,
+            announced=configured[index] if cfg.slow_announce == "same" else prof,
         )
 
     engines = [make_engine(i) for i in range(cfg.engines)]

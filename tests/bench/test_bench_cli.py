@@ -78,6 +78,31 @@ def test_sim_runs_a_mixed_fleet_from_the_command_line(tmp_path: Path) -> None:
     assert len(per) == 4 and per["e00"] + per["e01"] > 1.5 * (per["e02"] + per["e03"])
 
 
+def test_sim_runs_two_gpu_generations_from_the_command_line(tmp_path: Path, capsys) -> None:
+    """``--engine-profiles``: two engines of the default profile, two of a what-if card with
+    a quarter of the memory in 32-token blocks, twice as slow (``--speeds``); each announces
+    its own profile, and the counts must agree with the other fleet flags."""
+    out = tmp_path / "gen.json"
+    gen2 = "bench/profiles/mistral-7b-24gb-b32.json"
+    rc = main(["bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "20",
+               "--engine-profiles", f"mistral-7b-a6000:2,{gen2}:2", "--speeds", "1:2,2:2",
+               "--policies", "e2", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    doc = orjson.loads(out.read_bytes())
+    assert doc["world"]["profiles"] == ["mistral-7b-a6000"] * 2 + [gen2] * 2
+    assert doc["runs"][0]["summary"]["slo_attainment"] > 0.9
+    rc = main(["bench", "sim", "--trace", "tool_use", "--speeds", "1:3",
+               "--engine-profiles", f"mistral-7b-a6000:2,{gen2}:2", "--out", str(out)])  # fmt: skip
+    assert rc == 2 and "--speeds 3, --engine-profiles 4" in capsys.readouterr().err
+    for bad in ("mistral-7b-a6000", "mistral-7b-a6000:0", ":2", "a:x"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "sim", "--trace", "tool_use", "--engine-profiles", bad])
+        assert exit_.value.code == 2 and "--engine-profiles" in capsys.readouterr().err
+    rc = main(["bench", "sim", "--trace", "tool_use", "--engine-profiles", "no-such:2",
+               "--out", str(out)])  # fmt: skip
+    assert rc == 2 and "no-such" in capsys.readouterr().err
+
+
 def test_sim_scales_a_fleet_out_from_the_command_line(tmp_path: Path) -> None:
     """``--join 2@10``: the last two of four engines join 10 s into the run; e2 sends them
     nothing before and a share of the requests after."""

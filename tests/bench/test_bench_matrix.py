@@ -69,7 +69,12 @@ def test_knees_are_reused_only_on_the_same_engines(slice_doc: dict, tmp_path: Pa
     assert set(knees) == {("tool_use", 4, k) for k in ("homo", "hetero")} | {
         ("zipf_doc_qa", 4, k) for k in ("homo", "hetero")
     }
-    for change in ({"scheduler": "fcfs"}, {"slow_factor": 3.0}, {"min_window_s": 20.0}):
+    for change in (
+        {"scheduler": "fcfs"},
+        {"slow_factor": 3.0},
+        {"min_window_s": 20.0},
+        {"hetero_profile": "mistral-7b-a6000@x3"},
+    ):
         with pytest.raises(ValueError, match=next(iter(change))):
             load_knees(path, MatrixSpec(**{**SLICE_FIELDS, **change}))
     # a document from before cells had a minimum window was sized by count alone
@@ -353,6 +358,30 @@ def test_engines_can_report_as_vllm_behind_the_bridge() -> None:
     assert not link.request_events and link.gateway_ttft
     with pytest.raises(ValueError, match="reporting"):
         MatrixSpec(reporting="vllm")
+
+
+def test_a_fleet_of_two_generations_runs_the_second_profile_on_every_second_engine(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``hetero_profile`` (``--hetero-profile``): a hetero cell's every second engine runs
+    that profile (slowed by ``slow_factor``) and announces it; homogeneous cells keep
+    ``profile``. One whose tokenizer differs is refused before anything runs."""
+    from kvgate.cli import main
+
+    gen2 = "bench/profiles/mistral-7b-24gb-b32.json"
+    spec = MatrixSpec(hetero_profile=gen2)
+    cfg = spec.sim_config(4, "hetero", 0)
+    assert cfg.profiles == ("mistral-7b-a6000", gen2) * 2
+    assert [p.block_tokens for p in cfg.engine_profiles()] == [16, 32] * 2
+    assert cfg.engine_profiles()[1].prefill_ms(1000) == pytest.approx(
+        2 * cfg.engine_profiles()[0].prefill_ms(1000)
+    )
+    assert spec.sim_config(4, "homo", 0).profiles is None
+    assert MatrixSpec().sim_config(4, "hetero", 0).profiles is None
+    argv = ["bench", "matrix", "--quick", "--hetero-profile", "vllm-cpu-small",
+            "--out", str(tmp_path / "m.json")]  # fmt: skip
+    assert main(argv) == 2
+    assert "bytes_per_token" in capsys.readouterr().err
 
 
 def test_a_slow_broker_delays_every_engine_event_to_the_router() -> None:

@@ -405,3 +405,38 @@ def test_bench_sim_reporting_flag_reaches_the_simulators_link() -> None:
     bridged = _sim_config(parser.parse_args(["sim", "--reporting", "bridge"]))
     assert bridged.link.request_events is False
     assert _sim_config(parser.parse_args(["sim"])).link.request_events is True
+
+
+GEN2 = "bench/profiles/mistral-7b-24gb-b32.json"
+
+
+def test_a_fleet_of_two_gpu_generations_runs_each_engines_own_profile() -> None:
+    """``SimConfig.profiles``: engine 1 runs (and announces) a profile with a quarter of the
+    KV memory in 32-token blocks. The router reads each engine's own block size, so a prompt
+    served there again is credited in whole 32-token blocks, and the other engine in 16."""
+    cfg = SimConfig(engines=2, profiles=("mistral-7b-a6000", GEN2))
+    assert [p.block_tokens for p in cfg.engine_profiles()] == [16, 32]
+    assert cfg.engine_profiles()[1].kv_blocks == 2037
+    world = build_world("round_robin", "slo", cfg)
+    # round robin: r0, r2 to e00; r1, r3 to e01; each pair the same 1,020-token prompt
+    world.run(
+        [
+            _req("r0", 0.0, 4080, 2, seed=1),
+            _req("r1", 0.1, 4080, 2, seed=2),
+            _req("r2", 5.0, 4080, 2, seed=1),
+            _req("r3", 5.1, 4080, 2, seed=2),
+        ]
+    )
+    by_id = {r.request_id: r for r in world.records}
+    assert [by_id[r].engine for r in ("r2", "r3")] == ["e00", "e01"]
+    # the last token of a prompt is never served from cache: the whole blocks of 1,019 tokens
+    assert by_id["r2"].cached_tokens == 63 * 16 and by_id["r3"].cached_tokens == 31 * 32
+    cluster = world.router.router.cluster
+    assert [cluster.engines[e].profile.block_tokens for e in ("e00", "e01")] == [16, 32]
+
+
+def test_a_two_generation_fleet_needs_one_tokenizer_and_a_profile_each() -> None:
+    with pytest.raises(ValueError, match="one profile per engine"):
+        SimConfig(engines=3, profiles=("mistral-7b-a6000", GEN2))
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        SimConfig(engines=2, profiles=("mistral-7b-a6000", "vllm-cpu-small"))
