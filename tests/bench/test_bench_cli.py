@@ -83,7 +83,7 @@ def test_sim_runs_two_gpu_generations_from_the_command_line(tmp_path: Path, caps
     a quarter of the memory in 32-token blocks, twice as slow (``--speeds``); each announces
     its own profile, and the counts must agree with the other fleet flags."""
     out = tmp_path / "gen.json"
-    gen2 = "bench/profiles/mistral-7b-24gb-b32.json"
+    gen2 = "results/profiles/mistral-7b-a6000-24gb-b32.json"
     rc = main(["bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "20",
                "--engine-profiles", f"mistral-7b-a6000:2,{gen2}:2", "--speeds", "1:2,2:2",
                "--policies", "e2", "--out", str(out)])  # fmt: skip

@@ -368,7 +368,7 @@ def test_a_fleet_of_two_generations_runs_the_second_profile_on_every_second_engi
     ``profile``. One whose tokenizer differs is refused before anything runs."""
     from kvgate.cli import main
 
-    gen2 = "bench/profiles/mistral-7b-24gb-b32.json"
+    gen2 = "results/profiles/mistral-7b-a6000-24gb-b32.json"
     spec = MatrixSpec(hetero_profile=gen2)
     cfg = spec.sim_config(4, "hetero", 0)
     assert cfg.profiles == ("mistral-7b-a6000", gen2) * 2

@@ -407,7 +407,7 @@ def test_bench_sim_reporting_flag_reaches_the_simulators_link() -> None:
     assert _sim_config(parser.parse_args(["sim"])).link.request_events is True
 
 
-GEN2 = "bench/profiles/mistral-7b-24gb-b32.json"
+GEN2 = "results/profiles/mistral-7b-a6000-24gb-b32.json"
 
 
 def test_a_fleet_of_two_gpu_generations_runs_each_engines_own_profile() -> None:
@@ -431,6 +431,8 @@ def test_a_fleet_of_two_gpu_generations_runs_each_engines_own_profile() -> None:
     assert [by_id[r].engine for r in ("r2", "r3")] == ["e00", "e01"]
     # the last token of a prompt is never served from cache: the whole blocks of 1,019 tokens
     assert by_id["r2"].cached_tokens == 63 * 16 and by_id["r3"].cached_tokens == 31 * 32
+    # ... and the router credits the key bytes of those whole blocks, each engine's own
+    assert (by_id["r2"].matched_bytes, by_id["r3"].matched_bytes) == (63 * 16 * 4, 31 * 32 * 4)
     cluster = world.router.router.cluster
     assert [cluster.engines[e].profile.block_tokens for e in ("e00", "e01")] == [16, 32]
 
