@@ -283,6 +283,10 @@ class LoadHeartbeat:
     ratio within a heartbeat of its starting work, where a first token can take seconds).
     ``queue_order`` is the order its prefill queue is served in (:data:`QUEUE_ORDERS`): what a
     request queues behind there, and whether late work is dropped or still runs.
+    ``kv_blocks_held`` (optional) is the blocks its requests hold: their pinned cached prefixes
+    and their reservations, without the cached blocks no request uses (which ``kv_blocks_used``
+    counts on kvgate's engine; vLLM's KV usage is this figure). Routers correct their own count
+    of the memory their requests hold to it (a request's wait for memory is read from that).
     """
 
     KIND: ClassVar[str] = "hb"
@@ -302,6 +306,7 @@ class LoadHeartbeat:
     prefill_ms: float | None = None
     prefill_plan_ms: float | None = None
     queue_order: str = "deadline"
+    kv_blocks_held: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -333,6 +338,8 @@ class LoadHeartbeat:
             raise EventError("models must be a tuple")
         for m in self.models:
             _check_text("model", m)
+        if self.kv_blocks_held is not None:
+            _check_count("kv_blocks_held", self.kv_blocks_held)
 
 
 Event = (

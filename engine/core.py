@@ -287,6 +287,7 @@ class EngineCore(SchedBook):
             models,
             kv_blocks_used=min(self.cache.used_blocks, self.profile.kv_blocks),
             kv_blocks_total=self.profile.kv_blocks,
+            kv_blocks_held=min(self.cache.held_blocks, self.profile.kv_blocks),
             role=self.role,
             profile=self.announced_spec,
             prefill_ms=ms if ms > 0 else None,

@@ -107,6 +107,12 @@ class PrefixCache:
         return len(self._nodes) + self._reserved
 
     @property
+    def held_blocks(self) -> int:
+        """Blocks the requests admitted hold: their pinned cached prefixes and their
+        reservations (what vLLM's KV usage counts; the rest is free or evictable cache)."""
+        return self._pinned_nodes + self._reserved
+
+    @property
     def free_blocks(self) -> int:
         return self.capacity - self.used_blocks
 

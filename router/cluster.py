@@ -118,6 +118,11 @@ class Cluster(ClusterState):
                 self._set_role(eng, ev.role)
             eng.heartbeat = ev
             eng.last_heartbeat = now
+            if ev.kv_blocks_held is not None:
+                # the engine's own count of the memory its requests hold corrects the router's
+                # until the next heartbeat (what its reservations, shared blocks and other
+                # routers' requests add)
+                eng.held_offset = ev.kv_blocks_held * eng.profile.block_tokens - eng.decode_held
             own = eng.enqueued_tokens if eng.reports_requests else eng.open_prefill_tokens
             eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - own, 0)
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
@@ -149,6 +154,18 @@ class Cluster(ClusterState):
         elif isinstance(ev, (RequestStarted, RequestPreempted)):
             eng.reports_requests = True
             self._not_pending(ev.request_id)
+            rec = self._inflight.get(ev.request_id)
+            if (
+                isinstance(ev, RequestStarted)
+                and rec is not None
+                and rec.engine_id == eng.engine_id
+                and not rec.holds_memory
+            ):
+                # its prefill starts: the engine reserves its KV memory now, not at its first
+                # token (a long prompt holds a small engine's memory for its whole prefill)
+                self._hold_memory(eng, rec)
+                eng.view = None
+                self._load_dirty[eng.engine_id] = eng
         elif isinstance(ev, FirstToken):
             eng.reports_requests = True
             self._not_pending(ev.request_id)
@@ -351,7 +368,8 @@ class Cluster(ClusterState):
     def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         eng.decoding[request_id] = rec
         eng.decode_ctx += rec.ctx_tokens
-        self._hold_memory(eng, rec)
+        if not rec.holds_memory:
+            self._hold_memory(eng, rec)
         _count(eng.decode_tpots, rec.tpot_slo_ms, 1)
 
     def _stop_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
@@ -363,9 +381,12 @@ class Cluster(ClusterState):
 
     @staticmethod
     def _hold_memory(eng: _Engine, rec: _Inflight) -> None:
-        """``rec`` decodes on ``eng``: the KV memory it holds there is its context past its
-        cached prefix, and its prefix group's cached prefix, held once for all the group's
-        requests decoding there (the engine pins a cached block once for all its readers)."""
+        """``rec``'s prefill has started on ``eng``, or it decodes there: the KV memory it holds
+        there is its context past its cached prefix, and its prefix group's cached prefix,
+        held once for all the group's holders there (the engine pins a cached block once for
+        all its readers)."""
+        rec.holds_memory = True
+        eng.memory_holders += 1
         shared = float(rec.cached_tokens)
         eng.decode_held += rec.ctx_tokens - shared
         prefix = eng.decode_prefixes.get(rec.group)
@@ -380,15 +401,20 @@ class Cluster(ClusterState):
 
     @staticmethod
     def _release_memory(eng: _Engine, rec: _Inflight) -> None:
-        """``rec`` no longer decodes on ``eng``: its own memory is free, and its group's
-        cached prefix once the group's last request there ends."""
+        """``rec`` ended on ``eng``: its own memory is free, and its group's cached prefix
+        once the group's last holder there ends."""
+        if not rec.holds_memory:
+            return
+        rec.holds_memory = False
+        eng.memory_holders -= 1
         eng.decode_held -= rec.ctx_tokens - rec.cached_tokens
         prefix = eng.decode_prefixes[rec.group]
         prefix[0] -= 1.0
         if prefix[0] <= 0.0:
             del eng.decode_prefixes[rec.group]
             eng.decode_held -= prefix[1]
-        if not eng.decoding:  # (no drift from float sums)
+        if eng.memory_holders <= 0:  # (no drift from float sums)
+            eng.memory_holders = 0
             eng.decode_held = 0.0
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
@@ -605,6 +631,7 @@ class Cluster(ClusterState):
             eng.open_ctx_tokens -= rec.ctx_tokens
             if rec.first_token:
                 self._stop_decoding(eng, request_id, rec)
+            self._release_memory(eng, rec)  # (a request refused or ended in its prefill)
             if not eng.inflight:  # no drift from float sums: nothing is open
                 eng.open_prefill_ms = eng.open_ctx_tokens = 0.0
             eng.view = None

@@ -322,6 +322,10 @@ class Router:
                     },
                     "hit_ratio_30s": round(ev.hit_ratio, 4),
                     "cached_bytes": cl.tree.held_bytes.get(eng.engine_id, 0),
+                    # KV memory its requests hold, in tokens, as the router counts it (its
+                    # requests past the start of their prefill, corrected to the engine's
+                    # last report): what a request's wait for memory there is read from
+                    "held_kv_tokens": round(ev.decode_held_tokens),
                     "heartbeat": None
                     if hb is None
                     else {
@@ -331,6 +335,7 @@ class Router:
                         "queued_prefill_tokens": hb.queued_prefill_tokens,
                         "kv_blocks_used": hb.kv_blocks_used,
                         "kv_blocks_total": hb.kv_blocks_total,
+                        "kv_blocks_held": hb.kv_blocks_held,
                         "vbs": hb.vbs,
                         "queue_order": hb.queue_order,
                     },

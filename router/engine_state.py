@@ -46,6 +46,10 @@ class _Inflight:
     ttft_pred_ms: float = 0.0
     ttft_factor_log: float = 0.0
     ttft_weight: float = 0.0
+    # it holds KV memory on its engine (counted in ``_Engine.decode_held``): from the start
+    # of its prefill (the engine's RequestStarted: it reserves the request's memory then), or
+    # from its first token where the engine does not say when it starts
+    holds_memory: bool = False
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class _Inflight:
         ttft_pred_ms: float = 0.0,
         ttft_factor_log: float = 0.0,
         ttft_weight: float = 0.0,
+        holds_memory: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.t = t
@@ -90,6 +95,7 @@ class _Inflight:
         self.ttft_pred_ms = ttft_pred_ms
         self.ttft_factor_log = ttft_factor_log
         self.ttft_weight = ttft_weight
+        self.holds_memory = holds_memory
 
 
 class _GroupWork:
@@ -178,11 +184,15 @@ class _Engine:
     # step runs, so what prefill's share of the GPU is (router.policies.feasibility)
     decoding: dict[str, _Inflight] = field(default_factory=dict)
     decode_ctx: float = 0.0  # their summed context
-    # the KV memory they hold, in tokens: each one's context past its cached prefix, plus once
-    # per prefix group the longest cached prefix of its requests decoding there (kept until
-    # the group's last one ends); group -> [requests, that prefix]
+    # the KV memory the router's requests hold there, in tokens (those decoding, and those
+    # whose prefill has started: ``_Inflight.holds_memory``): each one's context past its
+    # cached prefix, plus once per prefix group the longest cached prefix of its holders there
+    # (kept until the group's last one ends); group -> [requests, that prefix]
     decode_held: float = 0.0
     decode_prefixes: dict[int, list[float]] = field(default_factory=dict)
+    memory_holders: int = 0  # how many of them hold it
+    # the engine's last reported held memory less the router's count then (tokens)
+    held_offset: float = 0.0
     decode_tpots: dict[float, int] = field(default_factory=dict)  # their TPOT SLOs, counted
     # the TPOT SLOs of all its in-flight requests, counted: their virtual batch (SCORPIO's VBS,
     # router.policies.base.virtual_batch) is what the decode step will run

@@ -39,7 +39,7 @@ block_stored = st.integers(1, 5).flatmap(
     )
 )
 heartbeat = st.builds(
-    lambda counts, vbs, prof, url, models, decode, role, prefill, order: LoadHeartbeat(
+    lambda counts, vbs, prof, url, models, decode, role, prefill, order, held: LoadHeartbeat(
         *counts,
         vbs,
         prof,
@@ -49,6 +49,7 @@ heartbeat = st.builds(
         role,
         *(prefill or (None, None)),
         order,
+        held,
     ),
     st.tuples(COUNT, COUNT, COUNT, COUNT, COUNT),
     MS,
@@ -59,6 +60,7 @@ heartbeat = st.builds(
     st.sampled_from(("both", "prefill", "decode")),
     st.none() | st.tuples(MS, MS),  # optional prefill-work figures (SpeedFit)
     st.sampled_from(("deadline", "arrival")),  # the order its prefill queue is served in
+    st.none() | COUNT,  # optional: the KV blocks its requests hold
 )
 first_token = st.one_of(
     st.builds(FirstToken, ID, MS),
@@ -168,8 +170,16 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
     bad = orjson.dumps(["e1", "ep", 0, [[*timed, "random"]]])
     with pytest.raises(ValueError, match="queue_order must be one of deadline, arrival"):
         decode_batch({b"v": b"1", b"h": bad, b"b": b""})
-    newer = orjson.dumps(["e1", "ep", 0, [[*ordered, "extra"]]])
-    with pytest.raises(CodecError, match="11 to 18 items"):
+    assert env.event.kv_blocks_held is None  # (unknown: the router keeps its own count)
+    held = [*ordered, 70]  # the KV blocks its requests hold, added last
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [held]]), b"b": b""})
+    assert env.event.kv_blocks_held == 70 and env.event.queue_order == "arrival"
+    for wrong in (-1, 2.5, "70"):
+        bad = orjson.dumps(["e1", "ep", 0, [[*ordered, wrong]]])
+        with pytest.raises(ValueError, match="kv_blocks_held"):
+            decode_batch({b"v": b"1", b"h": bad, b"b": b""})
+    newer = orjson.dumps(["e1", "ep", 0, [[*held, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 19 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
     # a finished request's cap (what routers learn answers' lengths against) came later too
     old_fi = orjson.dumps(["e1", "ep", 0, [["fi", 1.0, "r1", 120, 50.0, 20.0]]])

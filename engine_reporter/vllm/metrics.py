@@ -7,7 +7,9 @@ and maps it to :class:`~broker.events.LoadHeartbeat`:
   (summed over the engine's series: several model names or engine cores);
 * ``kv_blocks_total``: ``num_gpu_blocks`` of ``vllm:cache_config_info`` (else the cost profile's);
   ``kv_blocks_used``: that times ``vllm:kv_cache_usage_perc`` (older: ``gpu_cache_usage_perc``),
-  a fraction in [0, 1];
+  a fraction in [0, 1]; vLLM counts a cached block no request uses as free, so that is also
+  ``kv_blocks_held``, the memory its requests hold (the router's count of it is corrected to
+  it at every heartbeat);
 * ``queued_prefill_tokens``: vLLM does not export the prompt lengths of waiting requests, so it is
   estimated as ``waiting x mean prompt tokens x (1 - prefix hit rate)``, from the
   ``vllm:request_prompt_tokens`` histogram and the ``vllm:prefix_cache_hits`` / ``_queries``
@@ -232,6 +234,7 @@ def build_heartbeat(
         queued_prefill_tokens=queued,
         kv_blocks_used=min(used, total),
         kv_blocks_total=total,
+        kv_blocks_held=min(used, total),
         vbs=float(load.running),
         profile=profile,
         url=url,

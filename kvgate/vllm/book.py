@@ -727,9 +727,15 @@ class VllmBook(SchedBook):
     def heartbeat(
         self, url: str, models: tuple[str, ...], *, kv_blocks_used: int, kv_blocks_total: int
     ) -> LoadHeartbeat:
-        """The load now (its decode figures cover the steps since the previous heartbeat)."""
+        """The load now (its decode figures cover the steps since the previous heartbeat).
+        vLLM's block pool counts a cached block no request uses as free, so the blocks in use
+        are the ones its requests hold (``kv_blocks_held``)."""
         return self._load_heartbeat(
-            url, models, kv_blocks_used=kv_blocks_used, kv_blocks_total=kv_blocks_total
+            url,
+            models,
+            kv_blocks_used=kv_blocks_used,
+            kv_blocks_total=kv_blocks_total,
+            kv_blocks_held=kv_blocks_used,
         )
 
     def phase_of(self, request_id: str) -> Phase | None:

@@ -59,8 +59,10 @@ class EngineView:
     decode_scale: float = 1.0
     decoding: int = 0  # the router's requests there past their first token
     decode_ctx_tokens: float = 0.0  # their summed context (input + output / 2 tokens each)
-    # ... and the KV memory they hold, in tokens: a cached prefix they share counted once
+    # the KV memory the router's requests hold there (those decoding, and those whose prefill
+    # has started where the engine says so), in tokens: a cached prefix they share counted once
     decode_held_tokens: float = 0.0
+    memory_holders: int = 0  # ... and how many requests hold it
     decode_tpot_min_ms: float = math.inf  # their tightest TPOT SLO (the engine's step budget)
     # the in-flight requests' tightest TPOT SLO and sum of 1 / TPOT SLO (ms): their virtual
     # batch (virtual_batch); a sum of 0 with requests in flight: unknown, each counts one
@@ -106,6 +108,7 @@ class EngineView:
         decoding: int = 0,
         decode_ctx_tokens: float = 0.0,
         decode_held_tokens: float = 0.0,
+        memory_holders: int = 0,
         decode_tpot_min_ms: float = math.inf,
         open_tpot_min_ms: float = math.inf,
         open_inv_tpot: float = 0.0,
@@ -141,6 +144,7 @@ class EngineView:
         self.decoding = decoding
         self.decode_ctx_tokens = decode_ctx_tokens
         self.decode_held_tokens = decode_held_tokens
+        self.memory_holders = memory_holders
         self.decode_tpot_min_ms = decode_tpot_min_ms
         self.open_tpot_min_ms = open_tpot_min_ms
         self.open_inv_tpot = open_inv_tpot

@@ -477,13 +477,20 @@ def kv_wait_ms(
     ev: EngineView, view: ClusterView, now: float, mine: float, cached: float = 0.0
 ) -> float:
     """How long a request of mean context ``mine`` tokens, ``cached`` of them in blocks cached
-    on ``ev``, waits for KV memory there: the requests decoding there hold their memory, and
-    where theirs and this one's new blocks pass the engine's KV capacity, it starts only once
-    enough of them have finished (:meth:`ClusterView.decode_release_ms` of that many, beyond
-    those decoding now a mean decode time each); its capacity is the engine's own
-    (:meth:`EngineView.kv_tokens`). A cached prefix they share is held once
-    (``EngineView.decode_held_tokens``: the engine pins a cached block once for all its
-    readers), and this request's cached prefix takes no new memory; cached prefixes nothing
+    on ``ev``, waits for KV memory there: the requests whose prefill has started there (the
+    engine's RequestStarted; else from their first token) hold their memory, and where theirs
+    and this one's new blocks pass the engine's KV capacity, it starts only once enough of them
+    have finished (:meth:`ClusterView.decode_release_ms` of that many, beyond those decoding
+    now a mean decode time each); its capacity is the engine's own
+    (:meth:`EngineView.kv_tokens`). The router's count is corrected at each heartbeat to the
+    memory the engine says its requests hold (``LoadHeartbeat.kv_blocks_held``: their output
+    reserved whole, blocks shared across prefix groups, other routers' requests): counted from
+    first tokens alone, and uncorrected, it left out a long prompt whose prefill holds a small
+    engine's memory for seconds, and short requests sent where it saw room waited there for
+    memory and were refused (qwen_mix on 4 engines of 3,500 blocks at twice the knee: 4.0
+    points behind round robin, 2.8 with it; docs/router.md). A cached prefix they share is
+    held once (``EngineView.decode_held_tokens``: the engine pins a cached block once for all
+    its readers), and this request's cached prefix takes no new memory; cached prefixes nothing
     uses are evicted for it and cost no wait. Without the wait, on engines whose memory binds
     before their compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of KV an engine)
     the router saw the fast engines of a mixed fleet free and sent them nearly every request,
@@ -491,7 +498,7 @@ def kv_wait_ms(
     on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md). Counting each
     reader's whole context instead (its first form) priced an engine that holds a hot document
     as full, and sent the document's readers elsewhere to prefill it again (docs/router.md)."""
-    n = ev.decoding
+    n = max(ev.memory_holders, ev.decoding)
     held = ev.decode_held_tokens
     short = held + max(mine - cached, 0.0) - ev.kv_tokens()
     if short <= 0.0 or n <= 0 or held <= 0.0:

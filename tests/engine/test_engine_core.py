@@ -144,6 +144,20 @@ def test_heartbeat_reports_load() -> None:
     assert core(profile=default_profile()).heartbeat("u", ("m",)).profile == "mistral-7b-a6000"
 
 
+def test_heartbeat_reports_the_kv_its_requests_hold_apart_from_idle_cache() -> None:
+    """``kv_blocks_held`` is what admitted requests hold (pinned prefix and reservation, the
+    whole output reserved at admission): a request in its prefill holds its memory, and once
+    it ends its blocks stay cached (``kv_blocks_used``) but nobody holds them."""
+    c = core(profile=linear_profile(kv_blocks=1_000))
+    c.submit(req("A", 1600, out=3), 0.0)  # 100 blocks of 16 tokens, its output in one more
+    c.advance(0.0)  # admitted: its prefill runs
+    hb = c.heartbeat("u", ("m",))
+    assert hb.kv_blocks_held == 101 and hb.kv_blocks_used == 101
+    run_until(c, 100.0)
+    hb = c.heartbeat("u", ("m",))
+    assert hb.kv_blocks_held == 0 and hb.kv_blocks_used >= 100  # cached, evictable
+
+
 def test_heartbeats_time_the_prefill_work_of_a_running_step() -> None:
     """An engine running twice as slow as the profile it names: a heartbeat in the middle of a
     lone 4,000-token prefill (one step) already reports the operators done so far, timed and

@@ -901,6 +901,47 @@ def test_kv_memory_held_by_readers_of_one_cached_document_counts_it_once() -> No
     assert not eng.decode_prefixes
 
 
+def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_count() -> None:
+    """The engine reserves a request's memory when its prefill starts (RequestStarted), so
+    the router counts it from then, not from its first token (a long prompt, paused for
+    requests due sooner, holds a small engine's memory for seconds), and once only; a request
+    refused in its prefill gives it back. Each heartbeat's ``kv_blocks_held`` (what the
+    engine's requests hold) corrects the router's count until the next one: outputs reserved
+    whole, blocks shared across groups and other routers' requests are in the engine's."""
+    f = Fleet(n=1)
+    cl = f.router.cluster
+    eng = cl.engines["e0"]
+    block_tokens = eng.profile.block_tokens
+    f.route("r0", PROMPT, 1.0, max_tokens=100)
+    rec = cl._inflight["r0"]
+
+    def held() -> float:
+        return cl.engine_view(eng).decode_held_tokens
+
+    assert held() == 0.0  # queued: nothing reserved yet
+    f.send("e0", RequestStarted("r0"), 1.1)
+    assert held() == pytest.approx(rec.ctx_tokens) and eng.memory_holders == 1
+    f.send("e0", FirstToken("r0", 200.0), 1.3)
+    assert held() == pytest.approx(rec.ctx_tokens) and eng.memory_holders == 1  # (once)
+    f.heartbeat("e0", 1.4, kv_blocks_held=400)  # the engine holds more: its count wins
+    assert held() == pytest.approx(400 * block_tokens)
+    f.route("r1", b"another prompt " * 100, 1.5, max_tokens=20)
+    f.send("e0", RequestStarted("r1"), 1.6)
+    extra = cl._inflight["r1"].ctx_tokens
+    assert held() == pytest.approx(400 * block_tokens + extra)  # ... plus what started since
+    f.send("e0", RequestRejected("r1", "slo"), 1.7)  # refused in its prefill: given back
+    assert held() == pytest.approx(400 * block_tokens) and eng.memory_holders == 1
+    f.send("e0", RequestFinished("r0", 100, 200.0, 20.0), 2.0)
+    assert eng.memory_holders == 0
+    f.heartbeat("e0", 2.1, kv_blocks_held=0)
+    assert held() == 0.0
+    # an engine that does not report it (older, or a bridge that cannot tell): the router's own
+    f.route("r2", PROMPT, 3.0, max_tokens=100)
+    f.send("e0", RequestStarted("r2"), 3.1)
+    f.heartbeat("e0", 3.2)
+    assert held() == pytest.approx(cl._inflight["r2"].ctx_tokens)
+
+
 def _view(f: Fleet, now: float, engine: str = "e0"):
     cl = f.router.cluster
     req = RouteRequest("probe", "m", b"x", 1, 1)

@@ -228,6 +228,8 @@ async def test_http_service_and_remote_router(redis_prefix: str) -> None:
                     "decode_evidence": 0.0,
                 }
                 assert st["engines"][0]["reports_requests"] is False
+                # the KV memory its requests hold as the router counts it (none decoding here)
+                assert st["engines"][0]["held_kv_tokens"] == 0
             async with http.get(f"{base}/metrics") as resp:
                 text = await resp.text()
                 assert 'kvgate_router_decisions_total{policy="e2",reason="exploit"} 1.0' in text

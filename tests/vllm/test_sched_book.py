@@ -361,6 +361,9 @@ def test_events_name_requests_by_the_gateway_id_and_carry_slos_and_load() -> Non
     cap = Capacity(free_blocks=1000, block_size=16, max_running=8, running=0, max_tokens=4096)
     hb = b.heartbeat("http://e:8000", ("m",), kv_blocks_used=0, kv_blocks_total=1000)
     assert isinstance(hb, LoadHeartbeat) and hb.waiting == 1 and hb.queued_prefill_tokens == 200
+    # vLLM's free blocks include the cached ones no request uses: what is used is held
+    assert hb.kv_blocks_held == 0
+    assert b.heartbeat("u", ("m",), kv_blocks_used=9, kv_blocks_total=1000).kv_blocks_held == 9
     assert hb.queue_order == "deadline"  # kvgate's S-EDF inside vLLM, unlike vLLM's own FCFS
     assert b.slack_ms("vllm-1", now) == pytest.approx(2_000.0 - 200.0, abs=2.0)
     order = b.plan(now, cap)

@@ -80,6 +80,8 @@ def test_metrics_to_heartbeat() -> None:
         load, url="http://127.0.0.1:8111", models=("tiny",), profile="p", fallback_blocks=7
     )
     assert hb.kv_blocks_total == 32768 and hb.kv_blocks_used == 8192
+    # vLLM counts a cached block no request uses as free: its usage is what requests hold
+    assert hb.kv_blocks_held == 8192
     assert hb.queued_prefill_tokens == round(3 * 264 * (1 - 480 / 1056))
     assert (hb.waiting, hb.running, hb.vbs) == (3, 2, 2.0)
     assert hb.url == "http://127.0.0.1:8111" and hb.models == ("tiny",)
