@@ -442,8 +442,10 @@ def estimate(
     harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
     admit += step
-    # ... and waits for KV memory where the requests decoding there leave too little
-    admit += kv_wait_ms(ev, view, now, mine, prof.cached_tokens_for_bytes(matched))
+    # ... and waits for KV memory where the requests holding it there leave too little for
+    # its whole context, its output at the cap included (what the engine reserves for it)
+    whole = mine + req.max_tokens / 2
+    admit += kv_wait_ms(ev, view, now, whole, prof.cached_tokens_for_bytes(matched))
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
         floor_share, floor_admit = share, admit
     else:
@@ -476,12 +478,16 @@ def estimate(
 def kv_wait_ms(
     ev: EngineView, view: ClusterView, now: float, mine: float, cached: float = 0.0
 ) -> float:
-    """How long a request of mean context ``mine`` tokens, ``cached`` of them in blocks cached
-    on ``ev``, waits for KV memory there: the requests whose prefill has started there (the
-    engine's RequestStarted; else from their first token) hold their memory, and where theirs
-    and this one's new blocks pass the engine's KV capacity, it starts only once enough of them
-    have finished (:meth:`ClusterView.decode_release_ms` of that many, beyond those decoding
-    now a mean decode time each); its capacity is the engine's own
+    """How long a request of ``mine`` tokens of context, ``cached`` of them in blocks cached on
+    ``ev``, waits for KV memory there (``estimate`` asks with its whole context, its output at
+    its cap: what kvgate's engine reserves when its prefill starts, and what a vLLM engine
+    must find before the request ends or preempt it; asked at its mean context, half its
+    output, a quarter of the KV failed one cell more and `vllm-cpu-tiny` four, docs/router.md):
+    the requests whose prefill has started there (the engine's RequestStarted; else from their
+    first token) hold their memory, and where theirs and this one's new blocks pass the
+    engine's KV capacity, it starts only once enough of them have finished
+    (:meth:`ClusterView.decode_release_ms` of that many, beyond those decoding now a mean
+    decode time each); its capacity is the engine's own
     (:meth:`EngineView.kv_tokens`). The router's count is corrected at each heartbeat to the
     memory the engine says its requests hold (``LoadHeartbeat.kv_blocks_held``: their output
     reserved whole, blocks shared across prefix groups, other routers' requests): counted from

@@ -1213,4 +1213,12 @@ def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
         estimate(held, c, 0, view, 0.0, {}).ttft_ms
         > estimate(free, c, 0, view, 0.0, {}).ttft_ms + 3000.0
     )
+    # the estimate asks for its whole context, its output at the cap (what the engine
+    # reserves): 19,930 tokens of prompt and 100 of output do not fit in the 20,000 free,
+    # though at its mean context (19,930 + 50) it would
+    fits_at_mean = RequestContext(RouteRequest("r2", "m", b"k" * 4 * 19_930, 19_930, 100),
+                                  4 * 19_930, 1)  # fmt: skip
+    with_wait = estimate(held, fits_at_mean, 0, view, 0.0, {})
+    without = estimate(free, fits_at_mean, 0, view, 0.0, {})
+    assert with_wait.admit_ms >= without.admit_ms + 4000.0
     assert make_policy("e2").choose(c, view, 0.0).engine_id == "b"
