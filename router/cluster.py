@@ -122,7 +122,7 @@ class Cluster(ClusterState):
                 # the engine's own count of the memory its requests hold corrects the router's
                 # until the next heartbeat (what its reservations, shared blocks and other
                 # routers' requests add)
-                eng.held_offset = ev.kv_blocks_held * eng.profile.block_tokens - eng.decode_held
+                eng.held_offset = ev.kv_blocks_held * eng.profile.block_tokens - eng.held_kv
             own = eng.enqueued_tokens if eng.reports_requests else eng.open_prefill_tokens
             eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - own, 0)
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
@@ -386,17 +386,17 @@ class Cluster(ClusterState):
         held once for all the group's holders there (the engine pins a cached block once for
         all its readers)."""
         rec.holds_memory = True
-        eng.memory_holders += 1
+        eng.kv_holders += 1
         shared = float(rec.cached_tokens)
-        eng.decode_held += rec.ctx_tokens - shared
-        prefix = eng.decode_prefixes.get(rec.group)
+        eng.held_kv += rec.ctx_tokens - shared
+        prefix = eng.held_prefixes.get(rec.group)
         if prefix is None:
-            eng.decode_prefixes[rec.group] = [1.0, shared]
-            eng.decode_held += shared
+            eng.held_prefixes[rec.group] = [1.0, shared]
+            eng.held_kv += shared
             return
         prefix[0] += 1.0
         if shared > prefix[1]:
-            eng.decode_held += shared - prefix[1]
+            eng.held_kv += shared - prefix[1]
             prefix[1] = shared
 
     @staticmethod
@@ -406,16 +406,16 @@ class Cluster(ClusterState):
         if not rec.holds_memory:
             return
         rec.holds_memory = False
-        eng.memory_holders -= 1
-        eng.decode_held -= rec.ctx_tokens - rec.cached_tokens
-        prefix = eng.decode_prefixes[rec.group]
+        eng.kv_holders -= 1
+        eng.held_kv -= rec.ctx_tokens - rec.cached_tokens
+        prefix = eng.held_prefixes[rec.group]
         prefix[0] -= 1.0
         if prefix[0] <= 0.0:
-            del eng.decode_prefixes[rec.group]
-            eng.decode_held -= prefix[1]
-        if eng.memory_holders <= 0:  # (no drift from float sums)
-            eng.memory_holders = 0
-            eng.decode_held = 0.0
+            del eng.held_prefixes[rec.group]
+            eng.held_kv -= prefix[1]
+        if eng.kv_holders <= 0:  # (no drift from float sums)
+            eng.kv_holders = 0
+            eng.held_kv = 0.0
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
         eng.tpots.append(tpot_ms)

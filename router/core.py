@@ -325,7 +325,7 @@ class Router:
                     # KV memory its requests hold, in tokens, as the router counts it (its
                     # requests past the start of their prefill, corrected to the engine's
                     # last report): what a request's wait for memory there is read from
-                    "held_kv_tokens": round(ev.decode_held_tokens),
+                    "held_kv_tokens": round(ev.held_kv_tokens),
                     "heartbeat": None
                     if hb is None
                     else {

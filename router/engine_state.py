@@ -46,7 +46,7 @@ class _Inflight:
     ttft_pred_ms: float = 0.0
     ttft_factor_log: float = 0.0
     ttft_weight: float = 0.0
-    # it holds KV memory on its engine (counted in ``_Engine.decode_held``): from the start
+    # it holds KV memory on its engine (counted in ``_Engine.held_kv``): from the start
     # of its prefill (the engine's RequestStarted: it reserves the request's memory then), or
     # from its first token where the engine does not say when it starts
     holds_memory: bool = False
@@ -188,9 +188,9 @@ class _Engine:
     # whose prefill has started: ``_Inflight.holds_memory``): each one's context past its
     # cached prefix, plus once per prefix group the longest cached prefix of its holders there
     # (kept until the group's last one ends); group -> [requests, that prefix]
-    decode_held: float = 0.0
-    decode_prefixes: dict[int, list[float]] = field(default_factory=dict)
-    memory_holders: int = 0  # how many of them hold it
+    held_kv: float = 0.0
+    held_prefixes: dict[int, list[float]] = field(default_factory=dict)
+    kv_holders: int = 0  # how many of them hold it
     # the engine's last reported held memory less the router's count then (tokens)
     held_offset: float = 0.0
     decode_tpots: dict[float, int] = field(default_factory=dict)  # their TPOT SLOs, counted

@@ -61,8 +61,8 @@ class EngineView:
     decode_ctx_tokens: float = 0.0  # their summed context (input + output / 2 tokens each)
     # the KV memory the router's requests hold there (those decoding, and those whose prefill
     # has started where the engine says so), in tokens: a cached prefix they share counted once
-    decode_held_tokens: float = 0.0
-    memory_holders: int = 0  # ... and how many requests hold it
+    held_kv_tokens: float = 0.0
+    kv_holders: int = 0  # ... and how many requests hold it
     decode_tpot_min_ms: float = math.inf  # their tightest TPOT SLO (the engine's step budget)
     # the in-flight requests' tightest TPOT SLO and sum of 1 / TPOT SLO (ms): their virtual
     # batch (virtual_batch); a sum of 0 with requests in flight: unknown, each counts one
@@ -107,8 +107,8 @@ class EngineView:
         decode_scale: float = 1.0,
         decoding: int = 0,
         decode_ctx_tokens: float = 0.0,
-        decode_held_tokens: float = 0.0,
-        memory_holders: int = 0,
+        held_kv_tokens: float = 0.0,
+        kv_holders: int = 0,
         decode_tpot_min_ms: float = math.inf,
         open_tpot_min_ms: float = math.inf,
         open_inv_tpot: float = 0.0,
@@ -143,8 +143,8 @@ class EngineView:
         self.decode_scale = decode_scale
         self.decoding = decoding
         self.decode_ctx_tokens = decode_ctx_tokens
-        self.decode_held_tokens = decode_held_tokens
-        self.memory_holders = memory_holders
+        self.held_kv_tokens = held_kv_tokens
+        self.kv_holders = kv_holders
         self.decode_tpot_min_ms = decode_tpot_min_ms
         self.open_tpot_min_ms = open_tpot_min_ms
         self.open_inv_tpot = open_inv_tpot

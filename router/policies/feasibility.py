@@ -495,7 +495,7 @@ def kv_wait_ms(
     engine's memory for seconds, and short requests sent where it saw room waited there for
     memory and were refused (qwen_mix on 4 engines of 3,500 blocks at twice the knee: 4.0
     points behind round robin, 2.8 with it; docs/router.md). A cached prefix they share is
-    held once (``EngineView.decode_held_tokens``: the engine pins a cached block once for all
+    held once (``EngineView.held_kv_tokens``: the engine pins a cached block once for all
     its readers), and this request's cached prefix takes no new memory; cached prefixes nothing
     uses are evicted for it and cost no wait. Without the wait, on engines whose memory binds
     before their compute (the live benchmark's `vllm-cpu-tiny`, 2,048 tokens of KV an engine)
@@ -504,8 +504,8 @@ def kv_wait_ms(
     on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md). Counting each
     reader's whole context instead (its first form) priced an engine that holds a hot document
     as full, and sent the document's readers elsewhere to prefill it again (docs/router.md)."""
-    n = max(ev.memory_holders, ev.decoding)
-    held = ev.decode_held_tokens
+    n = max(ev.kv_holders, ev.decoding)
+    held = ev.held_kv_tokens
     short = held + max(mine - cached, 0.0) - ev.kv_tokens()
     if short <= 0.0 or n <= 0 or held <= 0.0:
         return 0.0

@@ -890,15 +890,13 @@ def test_kv_memory_held_by_readers_of_one_cached_document_counts_it_once() -> No
     assert all(rec.cached_tokens == shared for rec in recs)
     assert view.decode_ctx_tokens == pytest.approx(sum(rec.ctx_tokens for rec in recs))
     own = sum(rec.ctx_tokens - shared for rec in recs)
-    assert view.decode_held_tokens == pytest.approx(own + shared)
+    assert view.held_kv_tokens == pytest.approx(own + shared)
     f.send("e0", RequestFinished("r0", 100, 100.0, 20.0), 2.0)
     f.send("e0", RequestFinished("r1", 100, 100.0, 20.0), 2.0)
-    assert cl.engine_view(eng).decode_held_tokens == pytest.approx(
-        recs[2].ctx_tokens - shared + shared
-    )
+    assert cl.engine_view(eng).held_kv_tokens == pytest.approx(recs[2].ctx_tokens - shared + shared)
     f.send("e0", RequestFinished("r2", 100, 100.0, 20.0), 2.5)
-    assert cl.engine_view(eng).decode_held_tokens == 0.0
-    assert not eng.decode_prefixes
+    assert cl.engine_view(eng).held_kv_tokens == 0.0
+    assert not eng.held_prefixes
 
 
 def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_count() -> None:
@@ -916,13 +914,13 @@ def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_co
     rec = cl._inflight["r0"]
 
     def held() -> float:
-        return cl.engine_view(eng).decode_held_tokens
+        return cl.engine_view(eng).held_kv_tokens
 
     assert held() == 0.0  # queued: nothing reserved yet
     f.send("e0", RequestStarted("r0"), 1.1)
-    assert held() == pytest.approx(rec.ctx_tokens) and eng.memory_holders == 1
+    assert held() == pytest.approx(rec.ctx_tokens) and eng.kv_holders == 1
     f.send("e0", FirstToken("r0", 200.0), 1.3)
-    assert held() == pytest.approx(rec.ctx_tokens) and eng.memory_holders == 1  # (once)
+    assert held() == pytest.approx(rec.ctx_tokens) and eng.kv_holders == 1  # (once)
     f.heartbeat("e0", 1.4, kv_blocks_held=400)  # the engine holds more: its count wins
     assert held() == pytest.approx(400 * block_tokens)
     f.route("r1", b"another prompt " * 100, 1.5, max_tokens=20)
@@ -930,9 +928,9 @@ def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_co
     extra = cl._inflight["r1"].ctx_tokens
     assert held() == pytest.approx(400 * block_tokens + extra)  # ... plus what started since
     f.send("e0", RequestRejected("r1", "slo"), 1.7)  # refused in its prefill: given back
-    assert held() == pytest.approx(400 * block_tokens) and eng.memory_holders == 1
+    assert held() == pytest.approx(400 * block_tokens) and eng.kv_holders == 1
     f.send("e0", RequestFinished("r0", 100, 200.0, 20.0), 2.0)
-    assert eng.memory_holders == 0
+    assert eng.kv_holders == 0
     f.heartbeat("e0", 2.1, kv_blocks_held=0)
     assert held() == 0.0
     # an engine that does not report it (older, or a bridge that cannot tell): the router's own

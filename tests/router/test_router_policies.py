@@ -48,7 +48,7 @@ def ev(
     decode_ctx: float = 0.0,
     tpot_min: float = math.inf,
     decode_scale: float = 1.0,
-    decode_held: float | None = None,
+    held_kv: float | None = None,
 ) -> EngineView:
     return EngineView(
         engine_id=engine_id,
@@ -69,7 +69,7 @@ def ev(
         decode_scale=decode_scale,
         decoding=decoding,
         decode_ctx_tokens=decode_ctx,
-        decode_held_tokens=decode_ctx if decode_held is None else decode_held,
+        held_kv_tokens=decode_ctx if held_kv is None else held_kv,
         decode_tpot_min_ms=tpot_min,
     )
 
@@ -1206,7 +1206,7 @@ def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
     assert kv_wait_ms(held, view, 0.0, 30_000, cached=12_000) == 0.0
     # what the requests decoding there hold, not their summed contexts: readers of one cached
     # document hold it once
-    readers = ev("c", inflight=4, decoding=4, decode_ctx=cap - 20_000, decode_held=cap / 4)
+    readers = ev("c", inflight=4, decoding=4, decode_ctx=cap - 20_000, held_kv=cap / 4)
     assert kv_wait_ms(readers, view, 0.0, 30_000) == 0.0
     c = ctx(key_len=4 * 30_000)
     assert (
