@@ -52,7 +52,10 @@ engine *when would this request's first token come out there, and what does it c
   longer (the engine's request rate x the admission wait, over ``1 -`` the places' utilization).
   Priced by the batch's fill alone, a hot document's only holder, its batch full, kept taking
   its requests predicted at up to 3.5x their TTFT SLO (a 24-ms prefill there against 490 ms for
-  a second copy; zipf_doc_qa 16 homo x2: 84 to 89% across seeds, now 88.6 to 89.2). At light
+  a second copy; zipf_doc_qa 16 homo x2: 84 to 89% across seeds, now 88.6 to 89.2). The KV
+  memory it holds while it decodes is priced alike, by how full the engine's memory is
+  (:func:`router.policies.feasibility.kv_harm_ms`): where memory binds, the requests arriving
+  behind it wait for that memory. At light
   load the work is about ``P_i`` (a cached prefix saves its prefill once); when queues are long it
   dominates, so a loaded fleet keeps prefixes where they are cached instead of recomputing them
   to save a little queueing (without it, ``work_weight=0``, overloaded cells lost 10 to 40

@@ -21,9 +21,10 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
   prefills slowly: an engine with a short queue but a large decode batch is not a fast choice;
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
-  until a decoding request finishes and frees room; and where the requests decoding there hold
-  so much KV memory that this one's context does not fit beside them, the time until enough
-  of them finish (:func:`kv_wait_ms`);
+  until a decoding request finishes and frees room; and where the requests holding KV memory
+  there (from their prefill's start) hold so much that this one's whole context does not fit
+  beside them, the time until enough of them finish (:func:`kv_wait_ms`); the memory it holds
+  while it decodes is part of its harm to others (:func:`kv_harm_ms`);
 * ``decode``: the decode iteration of the step in which its prefill starts (each step decodes
   first), ``D``;
 * ``stretch``: S-EDF lets a request that arrives later but is due sooner overtake, so the wait
@@ -170,7 +171,8 @@ class Estimate:
     ) -> None:
         self.busy = busy  # the engine's recent prefill utilization (of prefill's GPU share)
         self.fill = fill  # its decode batch's share of the places SCORPIO's admission allows
-        # ms its decode will add to later requests (their prefill, or their wait for a place)
+        # ms its decode will add to later requests (their prefill, or their wait for a place in
+        # the decode batch or for KV memory)
         self.decode_harm = decode_harm
         self.credited = credited  # key bytes counted as cached there
         self.behind = behind  # queued requests due later, which its prefill would delay
@@ -445,7 +447,11 @@ def estimate(
     # ... and waits for KV memory where the requests holding it there leave too little for
     # its whole context, its output at the cap included (what the engine reserves for it)
     whole = mine + req.max_tokens / 2
-    admit += kv_wait_ms(ev, view, now, whole, prof.cached_tokens_for_bytes(matched))
+    cached = prof.cached_tokens_for_bytes(matched)
+    admit += kv_wait_ms(ev, view, now, whole, cached)
+    # ... and holds that memory while it decodes, which the requests arriving meanwhile wait for
+    alone = prof.decode_step_ms(1, mine) * ev.decode_scale
+    harm += kv_harm_ms(ev, max(whole - cached, 0.0), req.max_tokens * max(step, alone))
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
         floor_share, floor_admit = share, admit
     else:
@@ -494,7 +500,8 @@ def kv_wait_ms(
     first tokens alone, and uncorrected, it left out a long prompt whose prefill holds a small
     engine's memory for seconds, and short requests sent where it saw room waited there for
     memory and were refused (qwen_mix on 4 engines of 3,500 blocks at twice the knee: 4.0
-    points behind round robin, 2.8 with it; docs/router.md). A cached prefix they share is
+    points behind round robin, 2.8 with it, passing with :func:`kv_harm_ms` too;
+    docs/router.md). A cached prefix they share is
     held once (``EngineView.held_kv_tokens``: the engine pins a cached block once for all
     its readers), and this request's cached prefix takes no new memory; cached prefixes nothing
     uses are evicted for it and cost no wait. Without the wait, on engines whose memory binds
@@ -510,6 +517,24 @@ def kv_wait_ms(
     if short <= 0.0 or n <= 0 or held <= 0.0:
         return 0.0
     return view.decode_release_ms(ev, now, math.ceil(short * n / held))
+
+
+def kv_harm_ms(ev: EngineView, need: float, hold_ms: float) -> float:
+    """What holding ``need`` tokens of ``ev``'s KV memory for ``hold_ms`` (a request's decode)
+    costs the requests that arrive meanwhile: its share of the engine's memory for that long,
+    made dearer as the memory fills, by the congestion factor ``fill / (1 - fill)`` its place in
+    the decode batch is priced by (``fill``: the memory held there and this request's over the
+    engine's capacity, at most :data:`CONGESTED`). Where memory binds, a request's prefill and
+    decode time were its whole price, and a hot long document stayed on a small engine whose
+    memory it filled: the short requests sent there waited for memory and were refused (the
+    quick slice on small cards, qwen_mix 4 engines x2: 6.2 points behind `cache_aware`; two GPU
+    generations, the small engines' every cell; docs/router.md, *Forty-fourth session*). On
+    engines with memory to spare it is small."""
+    cap = ev.kv_tokens()
+    if cap <= 0.0 or need <= 0.0:
+        return 0.0
+    fill = min((ev.held_kv_tokens + need) / cap, CONGESTED)
+    return need / cap * hold_ms * fill / (1.0 - fill)
 
 
 def arrival_order_tpot_ms(ev: EngineView, mine: float, decay: float) -> float:

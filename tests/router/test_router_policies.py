@@ -23,6 +23,7 @@ from router.policies.feasibility import (
     batch_capacity,
     decode_step_ms,
     estimate,
+    kv_harm_ms,
     kv_wait_ms,
     next_decode_step_ms,
     prefill_share,
@@ -1187,6 +1188,31 @@ def test_top_matched_is_the_k_longest_then_by_id(matched: dict[str, int], k: int
     want = sorted(matched.items(), key=lambda em: (-em[1], em[0]))[:k]
     assert top_matched(matched, k) == want
     assert top_matched(dict(reversed(matched.items())), k) == want
+
+
+def test_the_kv_memory_a_request_holds_is_dear_where_memory_binds() -> None:
+    """Its decode holds its whole context's memory; the requests arriving meanwhile wait for
+    it where the engine's memory is nearly full, not where it has memory to spare: the same
+    request on two engines alike but for the memory held there costs more work on the full
+    one, and e2 sends it to the other (the cost counted GPU time and decode places only, and a
+    hot document stayed on a small engine whose memory it filled)."""
+    cap = PROFILE.kv_blocks * PROFILE.block_tokens
+    need, hold = 10_000.0, 2_000.0
+    assert kv_harm_ms(ev("idle"), 0.0, hold) == 0.0
+    spare = kv_harm_ms(ev("s", held_kv=cap * 0.1), need, hold)
+    full = kv_harm_ms(ev("f", held_kv=cap * 0.8), need, hold)
+    fill = (cap * 0.8 + need) / cap
+    assert full == pytest.approx(need / cap * hold * fill / (1 - fill))
+    assert full > 5 * spare > 0.0
+    full_ev = ev("full", inflight=4, decoding=4, decode_ctx=cap / 8, held_kv=cap * 0.85)
+    spare_ev = ev("spare", inflight=4, decoding=4, decode_ctx=cap / 8, held_kv=cap * 0.1)
+    view = FakeView([full_ev, spare_ev], releases={"full": 1.0, "spare": 1.0})
+    c = ctx(key_len=4 * 2_000)
+    assert (
+        estimate(full_ev, c, 0, view, 0.0, {}).decode_harm
+        > 2 * estimate(spare_ev, c, 0, view, 0.0, {}).decode_harm
+    )
+    assert make_policy("e2").choose(c, view, 0.0).engine_id == "spare"
 
 
 def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
