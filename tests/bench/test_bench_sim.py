@@ -267,25 +267,28 @@ def test_a_flash_crowd_of_one_system_prompt_spreads_over_idle_engines() -> None:
     load: priced for its first request alone, a copy of the prompt on an idle engine came only
     once the holders' queues cost as much, so the first 48 requests met 3 engines and the tail
     waited behind their decode batches. With a hot prefix's request sent to a spare engine
-    that copies it (``replicate_to_spare``), more engines serve from the start and the p99
-    drops (5 engines against 3, 0.41 s against 0.46; 0.37 against 0.54 before the
-    thirty-first session's credit for a routed prefix, docs/router.md)."""
+    that copies it (``replicate_to_spare``), more engines serve from the start and the median
+    TTFT drops (5 engines against 3, 93 ms against 108). The p99 dropped too (0.41 s against
+    0.46; 0.37 against 0.54 before the thirty-first session's credit for a routed prefix), until
+    the forty-fourth session priced the KV memory a request holds, which spreads the tail
+    without it as well (0.41 against 0.41; docs/router.md)."""
     from bench.workloads import build_workload
 
     opts = WorkloadOptions(rate=6.0, duration=40.0, seed=0, slo="scaled:5:100")
     reqs = build_workload("programming", opts)
 
-    def run(policy: str) -> tuple[int, float]:
+    def run(policy: str) -> tuple[int, float, float]:
         records: list = []
         run_one(reqs, policy, "slo", SimConfig(engines=8, seed=0), records=records)
         records.sort(key=lambda r: r.arrival)
         ttfts = sorted(r.ttft_s for r in records if r.ttft_s is not None)
-        return len({r.engine for r in records[:48]}), ttfts[int(0.99 * len(ttfts))]
+        p50, p99 = ttfts[len(ttfts) // 2], ttfts[int(0.99 * len(ttfts))]
+        return len({r.engine for r in records[:48]}), p50, p99
 
-    spread_on, p99_on = run("e2")
-    spread_off, p99_off = run("e2[replicate_to_spare=false]")
+    spread_on, p50_on, p99_on = run("e2")
+    spread_off, p50_off, p99_off = run("e2[replicate_to_spare=false]")
     assert spread_on > spread_off
-    assert p99_on < 0.95 * p99_off
+    assert p50_on < 0.9 * p50_off and p99_on <= p99_off
 
 
 def test_late_engines_join_at_their_heartbeat_and_then_take_traffic() -> None:
