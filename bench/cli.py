@@ -756,12 +756,10 @@ def _run_matrix(args: argparse.Namespace) -> int:
         print(f"kvgate bench matrix: {exc}", file=sys.stderr)
         return 2
     from bench.matrix import load_knees
-    from bench.sim.runner import SimConfig
 
     try:
         load_profile(spec.profile)
-        if spec.hetero_profile:
-            SimConfig(engines=2, profile=spec.profile, profiles=(spec.profile, spec.hetero_profile))
+        spec.sim_config(2, "hetero", 0)  # (its engines' profiles, as every hetero cell's)
     except (ProfileError, ValueError) as exc:
         print(f"kvgate bench matrix: {exc}", file=sys.stderr)
         return 2

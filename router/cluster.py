@@ -155,12 +155,8 @@ class Cluster(ClusterState):
             eng.reports_requests = True
             self._not_pending(ev.request_id)
             rec = self._inflight.get(ev.request_id)
-            if (
-                isinstance(ev, RequestStarted)
-                and rec is not None
-                and rec.engine_id == eng.engine_id
-                and not rec.holds_memory
-            ):
+            started = isinstance(ev, RequestStarted)
+            if started and rec is not None and rec.engine_id == eng.engine_id:
                 # its prefill starts: the engine reserves its KV memory now, not at its first
                 # token (a long prompt holds a small engine's memory for its whole prefill)
                 self._hold_memory(eng, rec)
@@ -368,8 +364,7 @@ class Cluster(ClusterState):
     def _start_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
         eng.decoding[request_id] = rec
         eng.decode_ctx += rec.ctx_tokens
-        if not rec.holds_memory:
-            self._hold_memory(eng, rec)
+        self._hold_memory(eng, rec)  # (from here, unless it holds it since its prefill began)
         _count(eng.decode_tpots, rec.tpot_slo_ms, 1)
 
     def _stop_decoding(self, eng: _Engine, request_id: str, rec: _Inflight) -> None:
@@ -384,7 +379,9 @@ class Cluster(ClusterState):
         """``rec``'s prefill has started on ``eng``, or it decodes there: the KV memory it holds
         there is its context past its cached prefix, and its prefix group's cached prefix,
         held once for all the group's holders there (the engine pins a cached block once for
-        all its readers)."""
+        all its readers). Once per request."""
+        if rec.holds_memory:
+            return
         rec.holds_memory = True
         eng.kv_holders += 1
         shared = float(rec.cached_tokens)
@@ -413,8 +410,7 @@ class Cluster(ClusterState):
         if prefix[0] <= 0.0:
             del eng.held_prefixes[rec.group]
             eng.held_kv -= prefix[1]
-        if eng.kv_holders <= 0:  # (no drift from float sums)
-            eng.kv_holders = 0
+        if not eng.kv_holders:  # (no drift from float sums)
             eng.held_kv = 0.0
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:

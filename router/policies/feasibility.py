@@ -511,7 +511,7 @@ def kv_wait_ms(
     on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md). Counting each
     reader's whole context instead (its first form) priced an engine that holds a hot document
     as full, and sent the document's readers elsewhere to prefill it again (docs/router.md)."""
-    n = max(ev.kv_holders, ev.decoding)
+    n = ev.kv_holders
     held = ev.held_kv_tokens
     short = held + max(mine - cached, 0.0) - ev.kv_tokens()
     if short <= 0.0 or n <= 0 or held <= 0.0:

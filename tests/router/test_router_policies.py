@@ -71,6 +71,7 @@ def ev(
         decoding=decoding,
         decode_ctx_tokens=decode_ctx,
         held_kv_tokens=decode_ctx if held_kv is None else held_kv,
+        kv_holders=decoding,  # (every request decoding holds its memory)
         decode_tpot_min_ms=tpot_min,
     )
 
