@@ -12,7 +12,7 @@ decode time, not the queue a request joins; partial blocks were credited as cach
 filter shed requests an engine would have served. So E2 keeps Preble's terms but asks of every
 engine *when would this request's first token come out there, and what does it cost others*:
 
-* ``C_i = TTFT_i + M_i + w x (P_i x (1 + behind_i + arrivals_i) + decode_i)``.
+* ``C_i = TTFT_i + M_i + w x (P_i x (1 + behind_i + arrivals_i) + decode_i) + miss_i``.
 
   ``TTFT_i = (queue_i + P_i) / share_i x stretch_i + admit_i + D_i`` is the router's latency
   model (:mod:`router.policies.feasibility`): the prefill the engine's S-EDF scheduler runs
@@ -86,9 +86,20 @@ engine *when would this request's first token come out there, and what does it c
   unless even the best would miss by more than ``shed_factor`` x the SLO with nothing
   overtaking it and only the work ahead that can still make its deadline running first
   (``Estimate.ttft_floor_ms``: shedding is final): only then is it shed
-  (429), naming the engine it would have gone to (``Decision.fallback``). Preferring the
-  engines predicted to meet the SLO over cheaper ones (``prefer_feasible``) was measured worse:
-  a holder whose queue looks too long is usually still the best place.
+  (429), naming the engine it would have gone to (``Decision.fallback``).
+* The miss (``miss_i``, ``miss_penalty``): an engine where the request's first token could not
+  come within its TTFT SLO even with nothing overtaking it (``Estimate.ttft_floor_ms``, the
+  shedding test) loses the request, and that loss is priced as one TTFT SLO of the request's,
+  in ms. The other terms are ms of delay, its own and what it adds to others'; a delay spread
+  over requests whose slack lies anywhere within their SLO makes about one of them miss per SLO
+  of delay, so one request lost weighs about one SLO. Without it, where every engine's work
+  term ran to seconds (engines near their knee, memory-bound ones most), a request whose SLO
+  one engine could meet went to a cheaper one where it could not, to spare the others there a
+  fraction of that (a fleet half of small-memory cards, qwen_mix's mixed SLOs on 4 engines
+  past the knee: 4.5 points behind round robin, 1.2 with it). Preferring the engines that can
+  meet the SLO outright (``prefer_feasible``) gained as much on average, but in overloaded
+  cells with uniform SLOs it served requests at others' expense (5 points lost on a
+  memory-bound fleet; docs/router.md).
 * Big fleets: only ``contenders`` engines are scored (the ones holding the most of the key and
   the least loaded, half each); every engine before a shed. Of those, an engine whose lower
   bound on ``C_i`` (its own prefill in its TTFT and as work, ``bound_skip``) is past the tie
@@ -158,7 +169,7 @@ engine *when would this request's first token come out there, and what does it c
 
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
 ``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
-``prefer_feasible``, ``pd_balance``, ``rebalance=false``, ``follow_spare=false``,
+``prefer_feasible``, ``miss_penalty=0``, ``pd_balance``, ``rebalance=false``, ``follow_spare=false``,
 ``significant_warmup``, ``replicate_to_spare=false``, ``room_beside_all_reused=false``,
 ``room_for_writes``, ``relieve_thrash``, ``by_lifetime``, ``balance_trigger=0``,
 ``make_way=false``.
@@ -204,8 +215,8 @@ class E2Config:
 
     eviction_term: bool = True  # M_i
     slo_filter: bool = True  # shed when no engine can meet the SLO (by shed_factor)
-    # only engines predicted to meet the SLO, while there are any (off: measured worse, as a
-    # holder whose queue looks too long is usually still the best place; docs/router.md)
+    # only engines predicted to meet the SLO, while there are any (off: ``miss_penalty`` prices
+    # the miss instead; outright, overloaded cells lost up to 5 points; docs/router.md)
     prefer_feasible: bool = False
     shed_factor: float = 1.5  # shed only when even the best engine's TTFT > this x the SLO
     # judge shedding on the expected TTFT (overtakers included) instead of the soonest the
@@ -223,6 +234,10 @@ class E2Config:
     # of hit rate, but the matrix failed 6 cells against 3: docs/router.md)
     by_lifetime: bool = False
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
+    # an engine where the request cannot meet its TTFT SLO (even with nothing overtaking it) is
+    # charged this x the SLO in ms: a request lost weighs about one SLO of delay to others
+    # (0: off, the cheapest engine whether it can meet the SLO or not; docs/router.md)
+    miss_penalty: float = 1.0
     # an idle engine's GPU time (nothing in flight or queued there, room for the request without
     # evicting) is nobody's: a prefill there is charged only for the requests it delays (off:
     # it wins programming's flash crowds but cost hit rate on real vLLM; docs/router.md)
@@ -283,6 +298,8 @@ class E2Config:
             raise ValueError("e2: contenders must be >= 2")
         if self.work_weight < 0:
             raise ValueError("e2: work_weight must be >= 0")
+        if self.miss_penalty < 0:
+            raise ValueError("e2: miss_penalty must be >= 0")
         if self.balance_trigger < 0:
             raise ValueError("e2: balance_trigger must be >= 0 (0: Preble's ratio alone)")
 
@@ -302,7 +319,14 @@ class _Scored:
     __slots__ = ("base", "cost", "est", "ev", "eviction", "matched", "priced")
 
     def __init__(
-        self, ev: EngineView, est: Estimate, matched: int, work_weight: float, idle: bool
+        self,
+        ev: EngineView,
+        est: Estimate,
+        matched: int,
+        work_weight: float,
+        idle: bool,
+        slo_ms: float,
+        miss_penalty: float,
     ) -> None:
         self.ev = ev
         self.est = est
@@ -313,6 +337,8 @@ class _Scored:
         gpu = 0.0 if idle else 1.0
         work = est.own_work_ms * (gpu + est.behind + est.arrivals) + est.decode_harm
         self.base = est.ttft_ms + work_weight * work  # the cost before the eviction term
+        if est.ttft_floor_ms > slo_ms:  # it cannot meet its SLO there: the miss's price
+            self.base += miss_penalty * slo_ms
         self.cost = self.base
 
     def overflow(self, key_len: int) -> int:
@@ -410,7 +436,15 @@ class E2(PolicyBase):
             and est.queue_ms <= 0
             and ctx.key_len - est.credited <= ev.free_bytes
         )
-        return _Scored(ev, est, est.credited, cfg.work_weight, idle)
+        return self._scored_as(ev, est, est.credited, ctx, idle)
+
+    def _scored_as(
+        self, ev: EngineView, est: Estimate, matched: int, ctx: RequestContext, idle: bool = False
+    ) -> _Scored:
+        """``ev``'s cost for the request given its estimate there."""
+        cfg = self.config
+        slo_ms = ctx.request.slo.ttft_ms
+        return _Scored(ev, est, matched, cfg.work_weight, idle, slo_ms, cfg.miss_penalty)
 
     def _scored(
         self, contenders: list[EngineView], ctx: RequestContext, view: ClusterView, now: float
@@ -419,13 +453,13 @@ class E2(PolicyBase):
         ties resolve as if all were). Each engine's cost is at least its own prefill in its
         TTFT, and again as the work it adds for itself and the requests arriving meanwhile:
         ``P_i x (1 + w x (1 + rate_i x P_i / (1 - busy_i)))`` (queueing, overtakers, admission,
-        the requests queued behind, decode, a busy decoder's share of the GPU and the eviction
-        term only add; ``busy_i`` at full share), so they are scored lowest bound first, and the
-        rest is skipped once a bound is past the band of the cheapest cost found. Where the key
-        is cached on few engines, the others' bound (a whole prefill) is past the holders' cost
-        and they are never estimated: the estimate is the largest part of a decision
-        (docs/router.md). The skipped ones cannot be picked; they are scored
-        only if no scored engine can meet the SLO (before shedding, :meth:`_score_all`)."""
+        the requests queued behind, decode, a busy decoder's share of the GPU, the eviction
+        term and the miss only add; ``busy_i`` at full share), so they are scored lowest bound
+        first, and the rest is skipped once a bound is past the band of the cheapest cost
+        found. Where the key is cached on few engines, the others' bound (a whole prefill) is
+        past the holders' cost and they are never estimated: the estimate is the largest part
+        of a decision (docs/router.md). The skipped ones cannot be picked; they are scored only
+        if no scored engine can meet the SLO (before shedding, :meth:`_score_all`)."""
         cfg = self.config
         if cfg.prefer_feasible or not cfg.bound_skip:
             # (prefer_feasible: the band is over the feasible ones, whose cheapest is unknown)
@@ -632,7 +666,7 @@ class E2(PolicyBase):
         est = estimate(ev, ctx, held, view, now, self._p_cache, held)
         if not (est.tpot_ok and est.spare()):
             return None
-        return _Scored(ev, est, held, self.config.work_weight, False)
+        return self._scored_as(ev, est, held, ctx)
 
     def _copy(self, ev: EngineView, ctx: RequestContext, view: ClusterView, now: float) -> _Scored:
         """``ev`` scored as it is, so copying the part of the key it lacks: its own match, and
@@ -641,7 +675,7 @@ class E2(PolicyBase):
         real = estimate(
             ev, ctx, view.matched.get(eid, 0), view, now, self._p_cache, view.confirmed.get(eid, 0)
         )
-        copy = _Scored(ev, real, real.credited, self.config.work_weight, False)
+        copy = self._scored_as(ev, real, real.credited, ctx)
         if self.config.eviction_term:
             self._price_eviction(copy, ctx, view, now)
         return copy

@@ -458,6 +458,26 @@ def test_e2_eviction_term_prices_what_fitting_the_request_evicts() -> None:
     assert no_m.choose(ctx(), both_full, 0.0).engine_id == "c"
 
 
+def test_e2_prices_a_miss_at_one_slo() -> None:
+    """An engine where the request cannot meet its TTFT SLO is charged the SLO itself: a
+    cheaper engine where it would miss loses to one that can meet it, unless that one costs
+    others more than an SLO's worth (here: what fitting the key evicts there)."""
+    slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
+
+    def view(evicts_ms: float) -> FakeView:
+        # a: ~2.7 s to its first token (past the SLO); b: ~1.7 s, but it evicts to fit the key
+        engines = [ev("a", hb=_hb(queued=12_000)), ev("b", free=0, hb=_hb(queued=4_000))]
+        return FakeView(engines, evictions={"b": evicts_ms})
+
+    no_miss = make_policy("e2", {"miss_penalty": 0.0})
+    assert no_miss.choose(ctx(slo=slo), view(2500.0), 0.0).engine_id == "a"  # the cheaper
+    assert make_policy("e2").choose(ctx(slo=slo), view(2500.0), 0.0).engine_id == "b"
+    # a miss weighs one SLO, not more: evicting 5 s of others' prefills there costs more
+    assert make_policy("e2").choose(ctx(slo=slo), view(5000.0), 0.0).engine_id == "a"
+    with pytest.raises(ValueError, match="miss_penalty"):
+        make_policy("e2", {"miss_penalty": -1.0})
+
+
 def test_e2_slo_filter_sheds_only_far_beyond_the_slo() -> None:
     slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
     # b meets the SLO but would evict a lot; a is cheaper in TTFT + M but misses the SLO
