@@ -169,10 +169,10 @@ engine *when would this request's first token come out there, and what does it c
 
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
 ``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
-``prefer_feasible``, ``miss_penalty=0``, ``pd_balance``, ``rebalance=false``, ``follow_spare=false``,
-``significant_warmup``, ``replicate_to_spare=false``, ``room_beside_all_reused=false``,
-``room_for_writes``, ``relieve_thrash``, ``by_lifetime``, ``balance_trigger=0``,
-``make_way=false``.
+``prefer_feasible``, ``miss_penalty=0``, ``pd_balance``, ``rebalance=false``,
+``follow_spare=false``, ``significant_warmup``, ``replicate_to_spare=false``,
+``room_beside_all_reused=false``, ``room_for_writes``, ``relieve_thrash``, ``by_lifetime``,
+``balance_trigger=0``, ``make_way=false``.
 """
 
 from __future__ import annotations
