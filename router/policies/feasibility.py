@@ -410,11 +410,13 @@ def estimate(
             sooner,
             runs,
         )
-    mine = prof.prompt_tokens(req.input_tokens, ctx.key_len) + req.max_tokens / 2
+    prompt = prof.prompt_tokens(req.input_tokens, ctx.key_len)
+    mine = prompt + req.max_tokens / 2  # its mean context while it decodes
     limit = TPOT_HEADROOM * slo.tpot_ms
     # its decode step alone, with SCORPIO's margin where the engine's own admission applies it
     # (an S-EDF engine refuses the request without it; an arrival-order engine has none)
-    alone = prof.decode_step_ms(1, mine) * ev.decode_scale * (1.0 if fifo else TPOT_SAFETY)
+    lone_step = prof.decode_step_ms(1, mine) * ev.decode_scale
+    alone = lone_step * (1.0 if fifo else TPOT_SAFETY)
     fits_alone = alone < limit
     tpot_ok = fits_alone
     if fifo and tpot_ok:
@@ -446,12 +448,11 @@ def estimate(
     admit += step
     # ... and waits for KV memory where the requests holding it there leave too little for
     # its whole context, its output at the cap included (what the engine reserves for it)
-    whole = mine + req.max_tokens / 2
+    whole = prompt + req.max_tokens
     cached = prof.cached_tokens_for_bytes(matched)
     admit += kv_wait_ms(ev, view, now, whole, cached)
     # ... and holds that memory while it decodes, which the requests arriving meanwhile wait for
-    alone = prof.decode_step_ms(1, mine) * ev.decode_scale
-    harm += kv_harm_ms(ev, max(whole - cached, 0.0), req.max_tokens * max(step, alone))
+    harm += kv_harm_ms(ev, max(whole - cached, 0.0), req.max_tokens * max(step, lone_step))
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
         floor_share, floor_admit = share, admit
     else:
