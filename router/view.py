@@ -266,6 +266,65 @@ class View:
         mean_ms = sum(rec.out_tokens for rec in eng.decoding.values()) * tpot / n
         return left[-1] + (count - n) * mean_ms / n
 
+    def kv_releases(
+        self, ev: EngineView, now: float, deadline: float
+    ) -> list[tuple[float, float, bool]]:
+        """The KV memory the router's requests on ``ev`` hold, or will take before a request
+        due at ``deadline`` starts there, and when each part frees: ``(ms from now, tokens,
+        held now)``, soonest first. A request decoding frees its own memory after its output
+        left at the engine's measured TPOT; one whose prefill has started, after that prefill
+        (at most its whole prefill time) and its output; a prefix group's cached prefix, which
+        the engine pins once for all its readers there, when the last of them frees its own.
+        The memory held now sums to ``ev.held_kv_tokens`` (the engine's own count at its last
+        heartbeat, the difference spread over the requests' own parts). A request queued ahead
+        of it (S-EDF: due no later and able to start in time; in arrival order: every one
+        queued) takes its whole context past its cached prefix when it starts and frees it
+        after the prefills before it, its own and its output."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None:
+            return []
+        tpot = eng.tpot_ms
+        inflight = self._cluster._inflight
+        own: list[tuple[float, float]] = []  # (frees at, tokens) of the requests holding memory
+        last: dict[int, float] = {}  # prefix group -> when its last holder frees its own
+        for dec in eng.decoding.values():
+            left = max(dec.out_tokens * tpot - (now - dec.first_at) * 1000.0, tpot)
+            own.append((left, dec.ctx_tokens - dec.cached_tokens))
+            last[dec.group] = max(last.get(dec.group, 0.0), left)
+        fifo = ev.arrival_order
+        queued: list[tuple[float, float, float, float, int, bool]] = []
+        for request_id, (due, _, prefill_s, _) in eng.open_prefill.items():
+            rec = inflight.get(request_id)
+            if rec is None or rec.first_token:
+                continue
+            if rec.holds_memory:  # its prefill has started: it runs before anything queued
+                mine = rec.ctx_tokens - rec.cached_tokens
+                queued.append((-1.0, prefill_s, rec.out_tokens, mine, rec.group, True))
+            elif fifo or (due <= deadline and due - now >= prefill_s):
+                whole = rec.ctx_tokens + rec.out_tokens / 2.0 - rec.cached_tokens
+                queued.append((due, prefill_s, rec.out_tokens, whole, rec.group, False))
+        queued.sort()
+        out: list[tuple[float, float, bool]] = []
+        start_ms = 0.0
+        for _, prefill_s, out_tokens, tokens, group, holds in queued:
+            start_ms += prefill_s * 1000.0
+            frees = start_ms + out_tokens * tpot
+            if holds:
+                own.append((frees, tokens))
+                last[group] = max(last.get(group, 0.0), frees)
+            else:
+                out.append((frees, tokens, False))
+        prefixes = 0.0
+        for group, (_, shared) in eng.held_prefixes.items():
+            if group in last:
+                out.append((last[group], shared, True))
+                prefixes += shared
+        counted = sum(tokens for _, tokens in own)
+        scale = max(ev.held_kv_tokens - prefixes, 0.0) / counted if counted > 0.0 else 0.0
+        out += [(frees, tokens * scale, True) for frees, tokens in own]
+        out.sort()
+        return out
+
     def tpot_pushed(
         self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
     ) -> int:

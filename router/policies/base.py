@@ -359,6 +359,14 @@ class ClusterView(Protocol):
         engine's measured TPOT (0: none is decoding)."""
         ...
 
+    def kv_releases(
+        self, ev: EngineView, now: float, deadline: float
+    ) -> list[tuple[float, float, bool]]:
+        """The KV memory the router's requests on ``ev`` hold, or will take before a request
+        due at ``deadline`` starts there, and when each frees it: ``(ms from now, tokens,
+        holds now)``, soonest first."""
+        ...
+
     def tpot_pushed(
         self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
     ) -> int:

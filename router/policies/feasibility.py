@@ -22,9 +22,10 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
   until a decoding request finishes and frees room; and where the requests holding KV memory
-  there (from their prefill's start) hold so much that this one's whole context does not fit
-  beside them, the time until enough of them finish (:func:`kv_wait_ms`); the memory it holds
-  while it decodes is part of its harm to others (:func:`kv_harm_ms`);
+  there (from their prefill's start), and those queued ahead of it, hold so much that this
+  one's whole context does not fit beside them, the time until enough of it is freed
+  (:func:`kv_wait_ms`); the memory it holds while it decodes is part of its harm to others
+  (:func:`kv_harm_ms`);
 * ``decode``: the decode iteration of the step in which its prefill starts (each step decodes
   first), ``D``;
 * ``stretch``: S-EDF lets a request that arrives later but is due sooner overtake, so the wait
@@ -450,7 +451,7 @@ def estimate(
     # its whole context, its output at the cap included (what the engine reserves for it)
     whole = prompt + req.max_tokens
     cached = prof.cached_tokens_for_bytes(matched)
-    admit += kv_wait_ms(ev, view, now, whole, cached)
+    admit += kv_wait_ms(ev, view, now, whole, cached, deadline)
     # ... and holds that memory while it decodes, which the requests arriving meanwhile wait for
     harm += kv_harm_ms(ev, max(whole - cached, 0.0), req.max_tokens * max(step, lone_step))
     if fifo:  # nothing overtakes it: the soonest it could come is when it is expected
@@ -483,7 +484,12 @@ def estimate(
 
 
 def kv_wait_ms(
-    ev: EngineView, view: ClusterView, now: float, mine: float, cached: float = 0.0
+    ev: EngineView,
+    view: ClusterView,
+    now: float,
+    mine: float,
+    cached: float = 0.0,
+    deadline: float = math.inf,
 ) -> float:
     """How long a request of ``mine`` tokens of context, ``cached`` of them in blocks cached on
     ``ev``, waits for KV memory there (``estimate`` asks with its whole context, its output at
@@ -491,11 +497,16 @@ def kv_wait_ms(
     must find before the request ends or preempt it; asked at its mean context, half its
     output, a quarter of the KV failed one cell more and `vllm-cpu-tiny` four, docs/router.md):
     the requests whose prefill has started there (the engine's RequestStarted; else from their
-    first token) hold their memory, and where theirs and this one's new blocks pass the
-    engine's KV capacity, it starts only once enough of them have finished
-    (:meth:`ClusterView.decode_release_ms` of that many, beyond those decoding now a mean
-    decode time each); its capacity is the engine's own
-    (:meth:`EngineView.kv_tokens`). The router's count is corrected at each heartbeat to the
+    first token) hold their memory, the requests queued there ahead of it (due no later, or
+    all of them in arrival order) take theirs before it starts, and where all that and this
+    one's new blocks pass the engine's KV capacity, it starts once enough of it is freed, each
+    part when its request ends and a cached prefix with its last reader there
+    (:meth:`ClusterView.kv_releases`); its capacity is the engine's own
+    (:meth:`EngineView.kv_tokens`). Counting only the memory held, and freeing a shared
+    prefix's part with each reader, a tool prompt's readers on `vllm-cpu-tiny` engines (2,048
+    tokens of KV) were sent where the queue ahead would take the memory, predicted at 48 ms
+    and refused after 232 ms of waiting for it (tool_use 4 mixed x1, docs/router.md). The
+    router's count is corrected at each heartbeat to the
     memory the engine says its requests hold (``LoadHeartbeat.kv_blocks_held``: their output
     reserved whole, blocks shared across prefix groups, other routers' requests): counted from
     first tokens alone, and uncorrected, it left out a long prompt whose prefill holds a small
@@ -512,12 +523,23 @@ def kv_wait_ms(
     on the slow engines, 51 refused for their TTFT; docs/BENCHMARKS.md). Counting each
     reader's whole context instead (its first form) priced an engine that holds a hot document
     as full, and sent the document's readers elsewhere to prefill it again (docs/router.md)."""
-    n = ev.kv_holders
     held = ev.held_kv_tokens
-    short = held + max(mine - cached, 0.0) - ev.kv_tokens()
-    if short <= 0.0 or n <= 0 or held <= 0.0:
+    need = max(mine - cached, 0.0)
+    room = ev.kv_tokens()
+    # (a queued request's whole context is at most twice its mean one: nothing can be short)
+    if held + need + 2.0 * ev.open_ctx_tokens <= room:
         return 0.0
-    return view.decode_release_ms(ev, now, math.ceil(short * n / held))
+    releases = view.kv_releases(ev, now, deadline)
+    ahead = sum(tokens for _, tokens, held_now in releases if not held_now)
+    short = held + ahead + need - room
+    if short <= 0.0:
+        return 0.0
+    freed = 0.0
+    for at_ms, tokens, _ in releases:
+        freed += tokens
+        if freed >= short:
+            return at_ms
+    return releases[-1][0] if releases else 0.0
 
 
 def kv_harm_ms(ev: EngineView, need: float, hold_ms: float) -> float:

@@ -899,6 +899,43 @@ def test_kv_memory_held_by_readers_of_one_cached_document_counts_it_once() -> No
     assert not eng.held_prefixes
 
 
+def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_theirs_first() -> None:
+    """What a request waits for KV memory behind: each reader of a cached document frees its
+    own context when its output ends, the document's blocks only with its last reader (freed
+    with the first, a small engine looked to have room after one answer); a request queued
+    due sooner starts first and takes its whole context, one due later does not (left out, a
+    tool prompt's readers were sent behind a queue that took the memory, and refused: the
+    `vllm-cpu-tiny` tool_use cells, docs/router.md)."""
+    f = Fleet(n=1)
+    cl = f.router.cluster
+    eng = cl.engines["e0"]
+    doc = bytes(range(256)) * 40
+    f.cache("e0", doc, 0.5)
+    f.send("e0", RequestFinished("warm", 11, 10.0, 40.0), 0.5)  # TPOT samples: 40 ms
+    for i, out in enumerate((10, 100)):
+        f.route(f"r{i}", doc + b"question %d" % i * 8, 1.0, max_tokens=out)
+        f.send("e0", FirstToken(f"r{i}", 100.0), 1.0)
+    f.route("soon", b"s" * 4_000, 1.0, max_tokens=40, slo=Slo(2_000.0, 100.0))
+    f.route("later", b"l" * 4_000, 1.0, max_tokens=40, slo=Slo(60_000.0, 100.0))
+    view, ev = _view(f, 1.0)
+    releases = view.kv_releases(ev, 1.0, deadline=1.0 + 10.0)
+    held = [(at, tokens) for at, tokens, now in releases if now]
+    assert sum(t for _, t in held) == pytest.approx(ev.held_kv_tokens)
+    tpot = eng.tpot_ms
+    shared = cl._inflight["r0"].cached_tokens
+    # the document frees with the reader whose output ends last, not the first
+    assert (pytest.approx(100 * tpot), pytest.approx(shared)) in [
+        (pytest.approx(at), pytest.approx(t)) for at, t in held
+    ]
+    assert min(at for at, _ in held) == pytest.approx(10 * tpot)
+    ahead = [(at, tokens) for at, tokens, now in releases if not now]
+    soon = cl._inflight["soon"]
+    assert len(ahead) == 1  # the request due later starts after it
+    assert ahead[0][1] == pytest.approx(soon.ctx_tokens + soon.out_tokens / 2 - soon.cached_tokens)
+    assert ahead[0][0] > 40 * tpot  # its prefill, then its output
+    assert [r for r in releases] == sorted(releases)
+
+
 def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_count() -> None:
     """The engine reserves a request's memory when its prefill starts (RequestStarted), so
     the router counts it from then, not from its first token (a long prompt, paused for

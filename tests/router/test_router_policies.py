@@ -89,6 +89,7 @@ class FakeView:
     groups: dict[str, list[GroupLoad]] = field(default_factory=dict)
     halves: dict[int, tuple[float, float]] = field(default_factory=dict)
     releases: dict[str, float] = field(default_factory=dict)
+    queued_kv: dict[str, float] = field(default_factory=dict)  # kv_releases' queued ahead
     sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
     rooms: dict[str, int] = field(default_factory=dict)  # cache_room's answer (default: ample)
     missed_on: str | None = None  # reuse_missed_on's answer
@@ -150,6 +151,20 @@ class FakeView:
 
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         return self.releases.get(ev.engine_id, 0.0)
+
+    def kv_releases(
+        self, ev: EngineView, now: float, deadline: float
+    ) -> list[tuple[float, float, bool]]:
+        """The memory held there frees at once, at its ``releases`` time (where it has one);
+        ``queued_kv`` is taken before the request and frees later."""
+        at = self.releases.get(ev.engine_id)
+        if at is None:
+            return []
+        out = [(at, ev.held_kv_tokens, True)] if ev.held_kv_tokens > 0 else []
+        queued = self.queued_kv.get(ev.engine_id)
+        if queued:
+            out.append((2 * at, queued, False))
+        return out
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
         return self.evictions.get(engine_id, 0.0)
@@ -1269,3 +1284,7 @@ def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
     without = estimate(free, fits_at_mean, 0, view, 0.0, {})
     assert with_wait.admit_ms >= without.admit_ms + 4000.0
     assert make_policy("e2").choose(c, view, 0.0).engine_id == "b"
+    # the requests queued there ahead of it take theirs before it starts
+    view.queued_kv["b"] = cap / 2
+    assert kv_wait_ms(free, view, 0.0, 30_000) == 4000.0
+    assert kv_wait_ms(free, view, 0.0, 30_000, deadline=0.0) == 4000.0  # (the view's to judge)
