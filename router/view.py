@@ -292,8 +292,9 @@ class View:
             own.append((left, dec.ctx_tokens - dec.cached_tokens))
             last[dec.group] = max(last.get(dec.group, 0.0), left)
         fifo = ev.arrival_order
+        # (in the order the engine starts them: deadlines, or arrival, the routing order)
         queued: list[tuple[float, float, float, float, int, bool]] = []
-        for request_id, (due, _, prefill_s, _) in eng.open_prefill.items():
+        for position, (request_id, (due, _, prefill_s, _)) in enumerate(eng.open_prefill.items()):
             rec = inflight.get(request_id)
             if rec is None or rec.first_token:
                 continue
@@ -302,7 +303,8 @@ class View:
                 queued.append((-1.0, prefill_s, rec.out_tokens, mine, rec.group, True))
             elif fifo or (due <= deadline and due - now >= prefill_s):
                 whole = rec.ctx_tokens + rec.out_tokens / 2.0 - rec.cached_tokens
-                queued.append((due, prefill_s, rec.out_tokens, whole, rec.group, False))
+                order = float(position) if fifo else due
+                queued.append((order, prefill_s, rec.out_tokens, whole, rec.group, False))
         queued.sort()
         out: list[tuple[float, float, bool]] = []
         start_ms = 0.0

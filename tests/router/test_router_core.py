@@ -915,8 +915,8 @@ def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_their
     for i, out in enumerate((10, 100)):
         f.route(f"r{i}", doc + b"question %d" % i * 8, 1.0, max_tokens=out)
         f.send("e0", FirstToken(f"r{i}", 100.0), 1.0)
+    f.route("later", b"l" * 4_000, 1.0, max_tokens=400, slo=Slo(60_000.0, 100.0))
     f.route("soon", b"s" * 4_000, 1.0, max_tokens=40, slo=Slo(2_000.0, 100.0))
-    f.route("later", b"l" * 4_000, 1.0, max_tokens=40, slo=Slo(60_000.0, 100.0))
     view, ev = _view(f, 1.0)
     releases = view.kv_releases(ev, 1.0, deadline=1.0 + 10.0)
     held = [(at, tokens) for at, tokens, now in releases if now]
@@ -934,6 +934,16 @@ def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_their
     assert ahead[0][1] == pytest.approx(soon.ctx_tokens + soon.out_tokens / 2 - soon.cached_tokens)
     assert ahead[0][0] > 40 * tpot  # its prefill, then its output
     assert [r for r in releases] == sorted(releases)
+    # an engine serving in arrival order starts every request queued first, the first routed
+    # first
+    f.heartbeat("e0", 1.0, queue_order="arrival")
+    view, ev = _view(f, 1.0)
+    fifo = [(at, t) for at, t, now in view.kv_releases(ev, 1.0, deadline=1.0) if not now]
+    assert len(fifo) == 2
+    later = cl._inflight["later"]
+    whole = later.ctx_tokens + later.out_tokens / 2 - later.cached_tokens
+    first_prefill_ms = eng.open_prefill["later"][2] * 1000.0
+    assert (pytest.approx(first_prefill_ms + 400 * tpot), pytest.approx(whole)) in fifo
 
 
 def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_count() -> None:
