@@ -299,8 +299,8 @@ class View:
             if rec is None or rec.first_token:
                 continue
             if rec.holds_memory:  # its prefill has started: it runs before anything queued
-                mine = rec.ctx_tokens - rec.cached_tokens
-                queued.append((-1.0, prefill_s, rec.out_tokens, mine, rec.group, True))
+                own_tokens = rec.ctx_tokens - rec.cached_tokens
+                queued.append((-1.0, prefill_s, rec.out_tokens, own_tokens, rec.group, True))
             elif fifo or (due <= deadline and due - now >= prefill_s):
                 whole = rec.ctx_tokens + rec.out_tokens / 2.0 - rec.cached_tokens
                 order = float(position) if fifo else due

@@ -902,7 +902,7 @@ def test_kv_memory_held_by_readers_of_one_cached_document_counts_it_once() -> No
 def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_theirs_first() -> None:
     """What a request waits for KV memory behind: each reader of a cached document frees its
     own context when its output ends, the document's blocks only with its last reader (freed
-    with the first, a small engine looked to have room after one answer); a request queued
+    pro rata with each, a small engine looked to have room after one answer); a request queued
     due sooner starts first and takes its whole context, one due later does not (left out, a
     tool prompt's readers were sent behind a queue that took the memory, and refused: the
     `vllm-cpu-tiny` tool_use cells, docs/router.md)."""
@@ -933,7 +933,7 @@ def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_their
     assert len(ahead) == 1  # the request due later starts after it
     assert ahead[0][1] == pytest.approx(soon.ctx_tokens + soon.out_tokens / 2 - soon.cached_tokens)
     assert ahead[0][0] > 40 * tpot  # its prefill, then its output
-    assert [r for r in releases] == sorted(releases)
+    assert releases == sorted(releases)
     # an engine serving in arrival order starts every request queued first, the first routed
     # first
     f.heartbeat("e0", 1.0, queue_order="arrival")
