@@ -268,7 +268,7 @@ class View:
 
     def kv_releases(
         self, ev: EngineView, now: float, deadline: float
-    ) -> list[tuple[float, float, bool]]:
+    ) -> list[tuple[float, float, bool]] | None:
         """The KV memory the router's requests on ``ev`` hold, or will take before a request
         due at ``deadline`` starts there, and when each part frees: ``(ms from now, tokens,
         held now)``, soonest first. A request decoding frees its own memory after its output
@@ -276,13 +276,18 @@ class View:
         (at most its whole prefill time) and its output; a prefix group's cached prefix, which
         the engine pins once for all its readers there, when the last of them frees its own.
         The memory held now sums to ``ev.held_kv_tokens`` (the engine's own count at its last
-        heartbeat, the difference spread over the requests' own parts). A request queued ahead
-        of it (S-EDF: due no later and able to start in time; in arrival order: every one
-        queued) takes its whole context past its cached prefix when it starts and frees it
-        after the prefills before it, its own and its output."""
+        heartbeat, the difference spread over the requests' own parts). On an engine that
+        reports its requests' starts, a request queued ahead of it (S-EDF: due no later and
+        able to start in time; in arrival order: every one queued) takes its whole context past
+        its cached prefix when it starts and frees it after the prefills before it, its own and
+        its output. None for an engine that does not report its requests' starts (plain vLLM
+        behind the bridge): it cannot tell a started prefill from a queued one, and the held
+        count it reports has the started ones."""
         eng = self._cluster.engines.get(ev.engine_id)
         if eng is None:
             return []
+        if not eng.reports_requests:
+            return None
         tpot = eng.tpot_ms
         inflight = self._cluster._inflight
         own: list[tuple[float, float]] = []  # (frees at, tokens) of the requests holding memory

@@ -361,10 +361,10 @@ class ClusterView(Protocol):
 
     def kv_releases(
         self, ev: EngineView, now: float, deadline: float
-    ) -> list[tuple[float, float, bool]]:
+    ) -> list[tuple[float, float, bool]] | None:
         """The KV memory the router's requests on ``ev`` hold, or will take before a request
         due at ``deadline`` starts there, and when each frees it: ``(ms from now, tokens,
-        holds now)``, soonest first."""
+        holds now)``, soonest first (None: ``ev`` does not report its requests' starts)."""
         ...
 
     def tpot_pushed(

@@ -944,6 +944,14 @@ def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_their
     whole = later.ctx_tokens + later.out_tokens / 2 - later.cached_tokens
     first_prefill_ms = eng.open_prefill["later"][2] * 1000.0
     assert (pytest.approx(first_prefill_ms + 400 * tpot), pytest.approx(whole)) in fifo
+    # an engine that sends no request events (plain vLLM behind the bridge) cannot tell a
+    # started prefill from a queued one, and the held memory it reports has the started ones:
+    # no reading (the wait reads its held memory alone)
+    g = Fleet(n=1)
+    g.route("queued", b"q" * 4_000, 1.0, max_tokens=40)
+    view, ev = _view(g, 1.0)
+    assert not g.router.cluster.engines["e0"].reports_requests
+    assert view.kv_releases(ev, 1.0, deadline=100.0) is None
 
 
 def test_kv_memory_is_held_from_a_prefills_start_and_read_against_the_engines_count() -> None:
