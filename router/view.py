@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from kvgate.cost_model import CostProfile
 from router.cluster_state import ClusterState
-from router.engine_state import _GroupWork
+from router.engine_state import _GroupWork, _Inflight
 from router.policies.base import EngineView, GroupLoad, Rng
 from router.tree import lcp_at
 
@@ -208,7 +208,7 @@ class View:
         queued = [
             request_id
             for request_id, (due, _, prefill_s, _) in eng.open_prefill.items()
-            if fifo or (due <= deadline and due - now >= prefill_s)
+            if _starts_first(due, prefill_s, deadline, now, fifo)
         ]
         block = eng.profile.block_bytes
         # what is cached for this request (``since``: whole blocks) and the first block past
@@ -256,10 +256,7 @@ class View:
         if eng is None or not eng.decoding or count <= 0:
             return 0.0
         tpot = eng.tpot_ms
-        left = sorted(
-            max(rec.out_tokens * tpot - (now - rec.first_at) * 1000.0, tpot)
-            for rec in eng.decoding.values()
-        )
+        left = sorted(_output_left_ms(rec, tpot, now) for rec in eng.decoding.values())
         if count <= len(left):
             return left[count - 1]
         n = len(left)
@@ -293,7 +290,7 @@ class View:
         own: list[tuple[float, float]] = []  # (frees at, tokens) of the requests holding memory
         last: dict[int, float] = {}  # prefix group -> when its last holder frees its own
         for dec in eng.decoding.values():
-            left = max(dec.out_tokens * tpot - (now - dec.first_at) * 1000.0, tpot)
+            left = _output_left_ms(dec, tpot, now)
             own.append((left, dec.ctx_tokens - dec.cached_tokens))
             last[dec.group] = max(last.get(dec.group, 0.0), left)
         fifo = ev.arrival_order
@@ -306,7 +303,7 @@ class View:
             if rec.holds_memory:  # its prefill has started: it runs before anything queued
                 own_tokens = rec.ctx_tokens - rec.cached_tokens
                 queued.append((-1.0, prefill_s, rec.out_tokens, own_tokens, rec.group, True))
-            elif fifo or (due <= deadline and due - now >= prefill_s):
+            elif _starts_first(due, prefill_s, deadline, now, fifo):
                 whole = rec.ctx_tokens + rec.out_tokens / 2.0 - rec.cached_tokens
                 order = float(position) if fifo else due
                 queued.append((order, prefill_s, rec.out_tokens, whole, rec.group, False))
@@ -525,3 +522,16 @@ def _lives_here(
         return False
     o = overrides.get(g) if overrides else None
     return o is None or o[0] == engine_id
+
+
+def _starts_first(due: float, prefill_s: float, deadline: float, now: float, fifo: bool) -> bool:
+    """Whether a request queued on an engine (due at ``due``, its prefill ``prefill_s``) starts
+    before one due at ``deadline``: in arrival order every one queued does; under S-EDF one due
+    no later that can still make its own deadline (the engine rejects the rest while they wait)."""
+    return fifo or (due <= deadline and due - now >= prefill_s)
+
+
+def _output_left_ms(rec: _Inflight, tpot_ms: float, now: float) -> float:
+    """How long until a decoding request ends: its output left at ``tpot_ms`` (at least one
+    token's time)."""
+    return max(rec.out_tokens * tpot_ms - (now - rec.first_at) * 1000.0, tpot_ms)

@@ -531,10 +531,10 @@ def kv_wait_ms(
         return 0.0
     releases = view.kv_releases(ev, now, deadline)
     if releases is None:
-        # (an engine that does not report its requests' starts, plain vLLM behind the bridge:
-        # the memory held, freed as the requests decoding there end, each a mean share of it;
-        # read as above, e2's hit rate on real vLLM engines of 64 blocks was 0.841 over 6 runs
-        # against 0.847 before, the cold-start layout more often)
+        # (an engine that does not report its requests' starts, plain vLLM behind the bridge,
+        # cannot tell a started prefill from a queued one, and the held memory it reports has
+        # the started ones: the memory held alone, freed as the requests decoding there end,
+        # each a mean share of it)
         n = ev.kv_holders
         short = held + need - room
         if short <= 0.0 or n <= 0 or held <= 0.0:
