@@ -35,6 +35,7 @@ ALIASES: dict[str, str] = {
     "e2-admission": "e2[shed_expected=true]",
     "e2-preble-trigger": "e2[balance_trigger=0]",
     "e2-wait-for-room": "e2[make_way=false]",
+    "e2-heaviest-first": "e2[moves_by_fit=false]",
 }
 
 

@@ -118,7 +118,12 @@ engine *when would this request's first token come out there, and what does it c
   over another cache: in the closed-loop vLLM replica 1.17 moves a run, 0.84 of them in runs
   where no engine would have ended over 40% of the requests without any; with the mean, 0.81
   and +0.0024 of hit rate. Then it moves prefix groups off the busiest to the least busy
-  engine that is not slower
+  engine that is not slower, each lighter than the gap between the two and the one that
+  leaves them closest to even first (``moves_by_fit``; Preble's heaviest first moved the
+  hottest prefix whenever it was lighter than the gap, the least busy engine then nearly as
+  busy, and as a moved group's requests follow it only within the tie band, on real vLLM the
+  most popular document ended split over two 64-block caches in 4 of 15 cold runs, none of
+  15 by fit)
   (``SAME_SPEED``) and has room for them in its cache beside every prefix reused there, in the
   key bytes its blocks hold (the next least busy, as long as it is still ``rebalance_ratio`` x
   less busy; where none of them has such room, ``make_way``, beside the prefixes reused at
@@ -172,7 +177,7 @@ Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_
 ``prefer_feasible``, ``miss_penalty=0``, ``pd_balance``, ``rebalance=false``,
 ``follow_spare=false``, ``significant_warmup``, ``replicate_to_spare=false``,
 ``room_beside_all_reused=false``, ``room_for_writes``, ``relieve_thrash``, ``by_lifetime``,
-``balance_trigger=0``, ``make_way=false``.
+``balance_trigger=0``, ``make_way=false``, ``moves_by_fit=false``.
 """
 
 from __future__ import annotations
@@ -187,6 +192,7 @@ from router.api import Candidate, Decision, Reason
 from router.policies.base import (
     ClusterView,
     EngineView,
+    GroupLoad,
     Move,
     PolicyBase,
     PrefillCache,
@@ -276,6 +282,12 @@ class E2Config:
     # reused less often than it make way (the caches cannot hold every prefix reused, and a
     # move that waits for room waits for ever; off: no move)
     make_way: bool = True
+    # of the groups light enough to move, the one that leaves the two engines closest to even
+    # first (off: Preble's heaviest first, which moves the hottest prefix whenever it is
+    # lighter than the gap: the least busy engine may end nearly as busy, and as a moved
+    # group's requests follow it only within the tie band, the hottest prefix was split over
+    # two engines; docs/router.md)
+    moves_by_fit: bool = True
     warmup_requests: int = 50
     # before the warm-up, rebalance an imbalance that is no chance (``significant``; off: on
     # real vLLM it cut the runs with an engine over 45% of the requests from 4 in 11 to 3 in
@@ -806,10 +818,11 @@ class E2(PolicyBase):
         now: float,
         strict: bool = True,
     ) -> tuple[Move, ...]:
-        """Preble's moves from ``busiest`` to ``least``: its groups, heaviest first, each
-        lighter than the gap between them (both engines' output on one clock) and fitting in
-        ``least``'s cache beside the prefixes reused there (``strict``; else beside those
-        reused at least as often as the group: ``make_way``), until the two are within
+        """Preble's moves from ``busiest`` to ``least``: its groups lighter than the gap
+        between them (both engines' output on one clock) and fitting in ``least``'s cache
+        beside the prefixes reused there (``strict``; else beside those reused at least as
+        often as the group: ``make_way``), the one that leaves the two closest to even first
+        (``moves_by_fit``; else the heaviest first), until the two are within
         ``rebalance_ratio``; a group too heavy to move is replicated there when its TTFT
         doubled over the window."""
         cfg = self.config
@@ -818,6 +831,7 @@ class E2(PolicyBase):
         clock = (busiest.tpot_ms + least.tpot_ms) / 2.0
         hi, lo = busiest.window_on_clock(clock), least.window_on_clock(clock)
         moves: list[Move] = []
+        movable: list[GroupLoad] = []
         for g in view.groups_on(busiest.engine_id, cfg.min_group_requests):
             if g.requests < cfg.min_group_requests:
                 continue
@@ -837,24 +851,48 @@ class E2(PolicyBase):
                 ):
                     moves.append(Move(g.group, busiest.engine_id, least.engine_id, "replicate"))
                 continue
-            # only where its prefix fits beside every prefix reused there: a group moved onto a
-            # full cache evicts one of them, whose requests still come there and evict another
-            # in turn (on three vLLM engines of 64 KV blocks, moves without this check cost up
-            # to 0.06 of hit rate; letting the prefixes reused less often than the moved one
-            # make way, as before the thirty-third session, thrashed the same way: docs/router.md),
-            # unless no engine tried has that room (``make_way``: the second pass, not strict)
-            reused = cfg.min_group_requests
-            if not (cfg.room_beside_all_reused and strict):
-                reused = max(g.requests, reused)
-            reuses = g.requests if cfg.room_for_writes else None  # (None: keys alone)
-            if g.key_bytes > view.cache_room(least.engine_id, reused, reuses, g.written):
+            if not cfg.moves_by_fit:
+                if self._fits(view, g, least, strict):
+                    moves.append(Move(g.group, busiest.engine_id, least.engine_id))
+                    hi -= g.load_ms
+                    lo += g.load_ms
+                    if hi < cfg.rebalance_ratio * lo:
+                        break
                 continue
-            moves.append(Move(g.group, busiest.engine_id, least.engine_id))
-            hi -= g.load_ms
-            lo += g.load_ms
-            if hi < cfg.rebalance_ratio * lo:
+            movable.append(g)
+        # by fit: each time the group that leaves the two closest to even, of those still
+        # lighter than the gap (a heavier one would swap the roles)
+        while movable and hi >= cfg.rebalance_ratio * lo:
+            gap = hi - lo
+            best = min(
+                (g for g in movable if g.load_ms < gap),
+                key=lambda g: abs(gap - 2.0 * g.load_ms),
+                default=None,
+            )
+            if best is None:
                 break
+            movable.remove(best)
+            if not self._fits(view, best, least, strict):
+                continue
+            moves.append(Move(best.group, busiest.engine_id, least.engine_id))
+            hi -= best.load_ms
+            lo += best.load_ms
         return tuple(moves)
+
+    def _fits(self, view: ClusterView, g: GroupLoad, least: EngineView, strict: bool) -> bool:
+        """Whether group ``g``'s prefix fits in ``least``'s cache beside every prefix reused
+        there: a group moved onto a full cache evicts one of them, whose requests still come
+        there and evict another in turn (on three vLLM engines of 64 KV blocks, moves without
+        this check cost up to 0.06 of hit rate; letting the prefixes reused less often than the
+        moved one make way, as before the thirty-third session, thrashed the same way:
+        docs/router.md), unless no engine tried has that room (``make_way``: the second pass,
+        not ``strict``, beside those reused at least as often)."""
+        cfg = self.config
+        reused = cfg.min_group_requests
+        if not (cfg.room_beside_all_reused and strict):
+            reused = max(g.requests, reused)
+        reuses = g.requests if cfg.room_for_writes else None  # (None: keys alone)
+        return g.key_bytes <= view.cache_room(least.engine_id, reused, reuses, g.written)
 
 
 def _busier_on_one_clock(busiest: EngineView, least: EngineView, ratio: float) -> bool:

@@ -735,7 +735,9 @@ def test_e2_rebalancing_fires_at_1_5x_and_not_below() -> None:
     e2 = make_policy("e2", REBALANCE | {"balance_trigger": 0.0})
     moves = e2.rebalance(ctx(), _rebalance_view(150.0, 100.0), 0.0)
     assert moves and moves[0].kind == "move"
-    assert (moves[0].group, moves[0].src, moves[0].dst) == (11, "busy", "idle")
+    # group 12 (30 of the busiest's 150) leaves the two at 120 and 130; group 11 (45) would
+    # leave them at 105 and 145
+    assert (moves[0].group, moves[0].src, moves[0].dst) == (12, "busy", "idle")
     assert all(m.group != 13 for m in moves)  # a single request is not a prefix worth moving
     assert e2.rebalance(ctx(), _rebalance_view(149.9, 100.0), 0.0) == ()
     off = make_policy("e2", {"rebalance": False})
@@ -814,7 +816,7 @@ def test_e2_rebalancing_finds_the_least_busy_on_one_clock_too() -> None:
     view = FakeView(
         [eng("v0", 4996.1, 664, 5.947, 83), eng("v1", 6667.9, 1104, 4.443, 138),
          eng("v2", 5230.0, 632, 6.714, 79)],
-        groups={"v1": [GroupLoad(11, 2400.0, 40), GroupLoad(12, 900.0, 20)]},
+        groups={"v1": [GroupLoad(11, 2400.0, 40)]},
     )  # fmt: skip
     moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
     assert [(m.group, m.src, m.dst) for m in moves] == [(11, "v1", "v0")]
@@ -985,6 +987,30 @@ def test_e2_moves_until_balanced() -> None:
     moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
     # 1000 -> 700 (moved 300) vs 100 -> 400: still >= 1.5x; moving 200 more: 500 vs 600: done
     assert [m.group for m in moves] == [11, 12]
+
+
+def test_e2_moves_the_group_that_leaves_the_two_engines_closest_to_even() -> None:
+    """Of the groups lighter than the gap, the one that best closes it moves first. Preble's
+    heaviest first moved the hottest prefix whenever it was lighter than the gap: here the
+    least busy engine would end 4.5x busier than the busiest was left, and on real vLLM, where
+    a moved group's requests follow it only within the tie band, the hottest document was
+    split over two engines."""
+    view = FakeView(
+        [ev("busy", load=1000.0), ev("idle", load=100.0), ev("mid", load=500.0)],
+        groups={
+            "busy": [GroupLoad(11, 800.0, 40), GroupLoad(12, 400.0, 20), GroupLoad(13, 150.0, 8)]
+        },
+    )
+    moves = make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
+    # 1000 -> 600 against 100 -> 500: within 1.5x, done
+    assert [(m.kind, m.group, m.dst) for m in moves] == [("move", 12, "idle")]
+    heaviest = make_policy("e2", REBALANCE | {"moves_by_fit": False})
+    assert [m.group for m in heaviest.rebalance(ctx(), view, 0.0)] == [11]  # 200 against 900
+    # the best fit must still fit in the least busy engine's cache: else the next best
+    view.rooms = {"idle": 1_000}
+    view.groups["busy"][1] = GroupLoad(12, 400.0, 20, key_bytes=5_000)
+    # 13 (1000 -> 850 against 100 -> 250); then 11 is heavier than the gap left
+    assert [m.group for m in make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)] == [13]
 
 
 def test_e2_replicates_a_hot_prefix_only_when_ttft_doubled() -> None:
