@@ -118,19 +118,19 @@ engine *when would this request's first token come out there, and what does it c
   over another cache: in the closed-loop vLLM replica 1.17 moves a run, 0.84 of them in runs
   where no engine would have ended over 40% of the requests without any; with the mean, 0.81
   and +0.0024 of hit rate. Then it moves prefix groups off the busiest to the least busy
-  engine that is not slower, each lighter than the gap between the two and the one that
-  leaves them closest to even first (``moves_by_fit``; Preble's heaviest first moved the
-  hottest prefix whenever it was lighter than the gap, the least busy engine then nearly as
-  busy, and as a moved group's requests follow it only within the tie band, on real vLLM the
-  most popular document ended split over two 64-block caches in 4 of 15 cold runs, none of
-  15 by fit)
+  engine that is not slower
   (``SAME_SPEED``) and has room for them in its cache beside every prefix reused there, in the
   key bytes its blocks hold (the next least busy, as long as it is still ``rebalance_ratio`` x
   less busy; where none of them has such room, ``make_way``, beside the prefixes reused at
   least as often: the caches cannot hold every reused prefix, and a move that waited for room
   waited for ever, so that with 30 documents on three vLLM engines of 64 blocks an engine
   ended over 45% of the requests in 15 of 60 replica runs, 4 with it),
-  and replicate a hot prefix whose TTFT doubled. A moved or replicated group's requests go to
+  and replicate a hot prefix whose TTFT doubled. Of the groups lighter than the gap between
+  the two, the one that leaves them closest to even moves first (``moves_by_fit``; Preble's
+  heaviest first moved the hottest prefix whenever it was lighter than the gap, the least busy
+  engine then nearly as busy, and as a moved group's requests follow it only within the tie
+  band, on real vLLM the most popular document ended split over two 64-block caches in 4 of
+  15 cold runs, none of 15 by fit). A moved or replicated group's requests go to
   its new engine only when that engine is in the tie band: where the cost finds it as good as
   the best. A prefix is placed when its first request comes, before its popularity shows; at
   light load no queue moves its later requests, so the layout the cold start drew stays: in
