@@ -91,6 +91,8 @@ class BrokerStats:
     read_calls: int = 0
     read_entries: int = 0
     errors: int = 0
+    # registry members that are not an engine id (not UTF-8, empty, too long): dropped
+    bad_registry_members: int = 0
 
 
 @runtime_checkable

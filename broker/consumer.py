@@ -56,6 +56,7 @@ log = logging.getLogger("kvgate.consumer")
 # close() waits this long at most for the task (a round is bounded by the broker's timeouts; a
 # cancel() that a Redis call swallowed is repeated, see kvgate.aio).
 CLOSE_TIMEOUT_S = 5.0
+INGEST_SLICE_S = 0.005  # the event loop runs at least this often while entries are applied
 
 
 class Sink(Protocol):
@@ -83,6 +84,7 @@ class ConsumerStats:
     epochs_reclaimed: int = 0  # retired epochs taken back from a silent current one
     reconnects: int = 0
     sink_errors: int = 0
+    loop_errors: int = 0  # unexpected errors of a whole round (logged; retried with backoff)
     malformed_by_engine: dict[str, int] = field(default_factory=dict)
     lag_by_engine: dict[str, float] = field(default_factory=dict)
 
@@ -197,8 +199,10 @@ class Consumer:
                 delay = min(delay * 2, self._backoff[1])
                 continue
             except Exception:  # never let a bug stop the router's event feed
-                log.exception("consumer: unexpected error")
+                self.stats.loop_errors += 1
+                log.exception("consumer: unexpected error (retrying in %.2f s)", delay)
                 await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff[1])  # (not a tight loop of the same error)
                 continue
             if self._down:
                 self._down = False
@@ -256,7 +260,7 @@ class Consumer:
         for engine_id, batch in result:
             entries += len(batch)
             full |= len(batch) >= self.count
-            gaps |= self._ingest(engine_id, batch)
+            gaps |= await self._ingest(engine_id, batch)
         if gaps:
             await self._load_pending_snapshots()
         if not self.caught_up:
@@ -388,14 +392,21 @@ class Consumer:
 
     # ----------------------------------------------------------------- entries
 
-    def _ingest(self, engine_id: str, batch: list) -> bool:
-        """Apply one engine's entries in order; True if a gap stopped it (snapshot needed)."""
+    async def _ingest(self, engine_id: str, batch: list) -> bool:
+        """Apply one engine's entries in order; True if a gap stopped it (snapshot needed).
+        Every ``INGEST_SLICE_S`` of work it lets the event loop run (routing decisions wait
+        on it: a read of heavy entries took it for seconds)."""
         cursor = self.cursors.get(engine_id)
         if cursor is None or cursor.state is not State.ACTIVE:
             return False
         stats = self.stats
         now = self._clock()
+        slice_end = time.perf_counter() + INGEST_SLICE_S
         for entry_id, fields in batch:
+            if time.perf_counter() > slice_end:
+                await asyncio.sleep(0)
+                slice_end = time.perf_counter() + INGEST_SLICE_S
+                now = self._clock()
             stats.entries += 1
             try:
                 envs = decode_batch(fields)

@@ -37,6 +37,9 @@ REJECT_CAUSES: tuple[str, ...] = ("", "ttft", "tpot")
 
 # a heartbeat's profile: a name, or a profile inline as JSON (kvgate.cost_model.announced_profile)
 MAX_PROFILE_CHARS = 4096
+# blocks one BlockStored or BlockRemoved names: 2M tokens in 16-token blocks, past any model's
+# context (300,000 in one event took the router's event loop for 0.4 s)
+MAX_BLOCKS_PER_EVENT = 1 << 17
 
 
 class EventError(ValueError):
@@ -56,6 +59,11 @@ def _check_count(name: str, value: object) -> None:
 def _check_text(name: str, value: object, *, max_len: int = 256) -> None:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise EventError(f"{name} must be a non-empty string of at most {max_len} chars")
+
+
+def _check_block_count(n: int) -> None:
+    if n > MAX_BLOCKS_PER_EVENT:
+        raise EventError(f"{n} blocks in one event: at most {MAX_BLOCKS_PER_EVENT}")
 
 
 def _check_ms(name: str, value: object, *, optional: bool = False) -> None:
@@ -95,6 +103,7 @@ class BlockStored:
             raise EventError(
                 f"need one block per hash, got {len(self.hashes)} hashes, {len(self.blocks)} blocks"
             )
+        _check_block_count(len(self.hashes))
         for h in self.hashes:
             _check_u64("hash", h)
         for b in self.blocks:
@@ -112,8 +121,28 @@ class BlockRemoved:
     def __post_init__(self) -> None:
         if not isinstance(self.hashes, tuple) or not self.hashes:
             raise EventError("hashes must be a non-empty tuple")
+        _check_block_count(len(self.hashes))
         for h in self.hashes:
             _check_u64("hash", h)
+
+
+def stored_events(
+    parent_hash: int | None, hashes: list[int], blocks: list[bytes]
+) -> list[BlockStored]:
+    """A chain of new blocks as BlockStored events of at most ``MAX_BLOCKS_PER_EVENT`` each
+    (each piece's parent the last block of the one before)."""
+    out: list[BlockStored] = []
+    for i in range(0, len(hashes), MAX_BLOCKS_PER_EVENT):
+        j = i + MAX_BLOCKS_PER_EVENT
+        out.append(BlockStored(parent_hash, tuple(hashes[i:j]), tuple(blocks[i:j])))
+        parent_hash = hashes[min(j, len(hashes)) - 1]
+    return out
+
+
+def removed_events(hashes: list[int]) -> list[BlockRemoved]:
+    """Evicted blocks as BlockRemoved events of at most ``MAX_BLOCKS_PER_EVENT`` each."""
+    step = MAX_BLOCKS_PER_EVENT
+    return [BlockRemoved(tuple(hashes[i : i + step])) for i in range(0, len(hashes), step)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from urllib.parse import parse_qs, unquote
 
@@ -52,6 +53,8 @@ _UNAVAILABLE = (
     TimeoutError,
     OSError,
 )
+
+log = logging.getLogger("kvgate.broker")
 
 
 @contextlib.contextmanager
@@ -215,6 +218,14 @@ class RedisBroker:
     async def engines(self) -> list[str]:
         with _mapped_errors(self.stats):
             members = sorted(await self._redis.smembers(self._registry_key))
+            ids = [_engine_id(m) for m in members]
+            bad = [m for m, i in zip(members, ids, strict=True) if i is None]
+            if bad:
+                # not an engine's (no reporter writes it): dropped, or it would stop discovery
+                self.stats.bad_registry_members += len(bad)
+                log.warning("broker: dropping registry members that are no engine id: %r", bad[:3])
+                await self._redis.srem(self._registry_key, *bad)
+            members = [m for m, i in zip(members, ids, strict=True) if i is not None]
             if not members:
                 return []
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -281,3 +292,13 @@ def connect_redis(url: str, *, prefix: str = "kvgate:") -> RedisBroker:
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisBroker(aioredis.Redis.from_url(url, **_common_kwargs()), prefix=prefix)
     raise ValueError(f"unsupported Redis URL scheme: {url!r}")
+
+
+def _engine_id(member: bytes) -> str | None:
+    """A registry member as an engine id (what :class:`broker.events.Envelope` accepts: UTF-8,
+    1 to 256 characters), or None."""
+    try:
+        text = member.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if 0 < len(text) <= 256 else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from broker.events import BlockRemoved, BlockStored, Event
+from broker.events import Event, removed_events, stored_events
 from engine_reporter.hashing import chain_hashes, split_blocks
 
 
@@ -178,9 +178,7 @@ class PrefixCache:
                 new_blocks.append(block)
             else:
                 if new_hashes:  # a chain must be contiguous: flush the one before this node
-                    self._events.append(
-                        BlockStored(chain_parent, tuple(new_hashes), tuple(new_blocks))
-                    )
+                    self._events += stored_events(chain_parent, new_hashes, new_blocks)
                     new_hashes, new_blocks = [], []
             # Either way the reserved slot is consumed (new node) or freed (already cached).
             alloc.reserved -= 1
@@ -189,7 +187,7 @@ class PrefixCache:
             parent = h
         alloc.pinned = end
         if new_hashes:
-            self._events.append(BlockStored(chain_parent, tuple(new_hashes), tuple(new_blocks)))
+            self._events += stored_events(chain_parent, new_hashes, new_blocks)
 
     def release(self, request_id: str, now: float) -> None:
         """The request is done: unpin its blocks, free its reservations (blocks stay cached)."""
@@ -312,4 +310,4 @@ class PrefixCache:
                 if parent.children == 0 and parent.pins == 0:
                     self._push(node.parent, parent)
         if removed:
-            self._events.append(BlockRemoved(tuple(removed)))
+            self._events += removed_events(removed)

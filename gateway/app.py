@@ -58,6 +58,7 @@ from kvgate.aio import stop_tasks
 from kvgate.kv_transfer import decode_body, prefill_body, returned_params
 from kvgate.logs import AccessLog, LogOnce, request_id_var
 from kvgate.openai_request import (
+    KV_TRANSFER_PARAM,
     ChatTemplate,
     Endpoint,
     RequestError,
@@ -555,14 +556,20 @@ class Gateway:
 
     @staticmethod
     def _read_json(request: Request) -> tuple[bytes, Any]:
-        """The body (its size was checked by the server: 413) and its JSON."""
+        """The body (its size was checked by the server: 413) and its JSON, which the gateway
+        can write again (orjson reads 1,024 levels of nesting but writes 254: a body between
+        the two failed with a 500 where the gateway re-encodes it)."""
         raw = request.body
         if not raw:
             raise RequestError("request body is empty; expected a JSON object")
         try:
-            return raw, orjson.loads(raw)
+            doc = orjson.loads(raw)
+            orjson.dumps(doc)
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
+        except TypeError as exc:
+            raise RequestError(f"request body is nested too deeply: {exc}") from None
+        return raw, doc
 
     def _forward_headers(self, request: Request, rid: bytes) -> bytes:
         """The head for the engine: ``Content-Type: application/json`` (the body is JSON the
@@ -662,6 +669,14 @@ class Gateway:
         parsed = parse_request(
             route.endpoint, body, request.headers, template=template, default_slo=self.default_slo
         )
+        if body.get(KV_TRANSFER_PARAM) is not None:
+            # the gateway's to set (its two-phase requests to disaggregated engines): a
+            # client's made an engine fetch KV from wherever it named and fail with a 5xx, and
+            # the gateway took the engine for broken and ejected it
+            raise RequestError(
+                f"'{KV_TRANSFER_PARAM}' is set by the gateway, not by clients",
+                param=KV_TRANSFER_PARAM,
+            )
         access.model = parsed.model
         access.stream = parsed.stream
         access.slo = parsed.slo.name

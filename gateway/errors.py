@@ -12,11 +12,13 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",  # (the client's head or body came too slowly)
     413: "invalid_request_error",
     415: "invalid_request_error",
     417: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_error",
+    501: "invalid_request_error",  # (a transfer coding the server does not take)
     502: "upstream_error",
     503: "service_unavailable",
     504: "upstream_timeout",

@@ -786,6 +786,10 @@ class _ServerConn(asyncio.Protocol):
                 self.transport.abort()
             elif not self.closed and not self.transport.is_closing():
                 self.transport.write(resp.encode(keep, req.http11, req.method == "HEAD"))
+                # a client that pipelines requests without reading the answers: the next one
+                # waits until it reads (the queue then fills and reading pauses), or the
+                # answers would pile up in memory without bound
+                await self.drain()
         except asyncio.CancelledError:
             keep = False
             if not self.closed:  # cancelled by a shutdown that ran out of time

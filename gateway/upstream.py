@@ -217,7 +217,7 @@ class ChunkedDecoder:
                 if self._remaining == 0:
                     state = self._DATA_END
             elif state == self._SIZE:
-                eol = buf.find(b"\r\n", pos)
+                eol = _crlf(buf, pos)
                 if eol < 0:
                     if n - pos > MAX_CHUNK_LINE:
                         raise ValueError("chunk size line too long")
@@ -236,7 +236,7 @@ class ChunkedDecoder:
                 pos += 2
                 state = self._SIZE
             else:  # trailers: header lines up to an empty line, dropped
-                eol = buf.find(b"\r\n", pos)
+                eol = _crlf(buf, pos)
                 if eol < 0:
                     if n - pos > MAX_CHUNK_LINE or self._trailer_bytes + n - pos > MAX_HEAD_BYTES:
                         raise ValueError("chunked trailer too large")
@@ -254,6 +254,18 @@ class ChunkedDecoder:
         if pos < n:
             self._buf = buf[pos:]
         return out
+
+
+def _crlf(buf: bytes, pos: int) -> int:
+    """Where the line from ``pos`` ends (its CR), -1 while it is incomplete; raises ValueError
+    on a line ended by a bare LF, which no more bytes can make valid (waiting for a CRLF, such
+    a request was refused only at the body timeout)."""
+    lf = buf.find(b"\n", pos)
+    if lf < 0:
+        return -1
+    if lf == pos or buf[lf - 1] != 13:  # (13: CR)
+        raise ValueError("chunked framing: a line ends in a bare LF")
+    return lf - 1
 
 
 # ---- targets ------------------------------------------------------------------------------

@@ -65,6 +65,18 @@ MONOTONE_CHECK_TOKENS = 131_072  # prefill curves are checked to grow up to here
 # another engine type; 1e-300 made one engine look free and take every request)
 MIN_SPEED_FACTOR = 0.01
 MAX_SPEED_FACTOR = 100.0
+# what no engine's profile holds: a profile comes off the wire too (inline JSON in a heartbeat),
+# and finite but absurd figures (a block of 1e308 tokens, a decode step of 1e308 ms) overflowed
+# the router's arithmetic and failed every decision of the fleet
+MAX_COEFFICIENT = 1e9  # any time coefficient's magnitude (ms and ms per token)
+EFFICIENCY_RANGE = (1e-6, 1e6)
+PROFILE_INT_LIMITS = {
+    "kv_blocks": 1 << 40,
+    "block_tokens": 1 << 16,
+    "bytes_per_token": 64,
+    "max_batch_tokens": 1 << 30,
+    "max_running": 1 << 30,
+}
 
 
 class ProfileError(ValueError):
@@ -93,7 +105,7 @@ def segments_ms(segments: tuple[PrefillSegment, ...], n: float) -> float:
     return base
 
 
-@cache
+@lru_cache(maxsize=256)  # (bounded: a curve may come off the wire, inline in a profile)
 def first_fall(segments: tuple[PrefillSegment, ...]) -> tuple[int, float, int, float] | None:
     """Where a prefill curve falls as tokens grow: ``(n1, base at n1, n2, base at n2)`` with
     ``n1 < n2`` and a lower base at ``n2``, or None. Checked at every token count to 1,024 and
@@ -167,6 +179,7 @@ class CostProfile:
         ):
             if not value > 0:
                 raise ProfileError(f"{self.name}: {what} must be positive")
+        self._check_plausible()
         self._check_prefill_grows()
         if not segments_ms(self.segments, 1) > 0:
             raise ProfileError(
@@ -174,6 +187,36 @@ class CostProfile:
                 "a prefill must take time (a curve below 0 is priced free at every length)"
             )
         self._check_decode_grows()
+
+    def _check_plausible(self) -> None:
+        """Reject figures no engine has (``MAX_COEFFICIENT``, ``EFFICIENCY_RANGE``,
+        ``PROFILE_INT_LIMITS``): finite, they still overflowed the router's arithmetic."""
+        lo, hi = EFFICIENCY_RANGE
+        if not lo <= self.efficiency <= hi:
+            raise ProfileError(
+                f"{self.name}: efficiency = {self.efficiency!r}: must be from {lo:g} to {hi:g}"
+            )
+        for value, what in (
+            (self.attn_n, "attention n"),
+            (self.attn_c, "attention c"),
+            (self.attn_nc, "attention nc"),
+            (self.decode_a, "decode coefficient a"),
+            (self.decode_b, "decode coefficient b"),
+            (self.decode_c, "decode coefficient c"),
+            (self.decode_d, "decode coefficient d"),
+            *((c, f"prefill coefficient {i} of segment {seg.min_tokens}") for seg in
+              self.segments for i, c in enumerate(seg.coef)),
+        ):  # fmt: skip
+            if abs(value) > MAX_COEFFICIENT:
+                raise ProfileError(
+                    f"{self.name}: {what} = {value!r}: beyond {MAX_COEFFICIENT:g} (no engine's)"
+                )
+        for what, limit in PROFILE_INT_LIMITS.items():
+            value = getattr(self, what)
+            if value != int(value) or value > limit:
+                raise ProfileError(
+                    f"{self.name}: {what} = {value!r}: must be a whole number up to {limit}"
+                )
 
     def _check_prefill_grows(self) -> None:
         """Reject a prefill curve that falls as tokens grow (:func:`first_fall`): Preble's
@@ -608,7 +651,8 @@ def _log_ratio(predicted: float, observed: float, weight: float) -> float | None
         math.isfinite(predicted) and math.isfinite(observed)
     ):
         return None
-    return min(max(math.log(observed / predicted), -LOG_CLIP), LOG_CLIP)
+    # (a difference of logs: the ratio of two positive floats can underflow to 0 or overflow)
+    return min(max(math.log(observed) - math.log(predicted), -LOG_CLIP), LOG_CLIP)
 
 
 def _averaged(

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.openai_request import RequestError
+from kvgate.openai_request import KV_TRANSFER_PARAM, RequestError
 
-PARAM = "kv_transfer_params"
+PARAM = KV_TRANSFER_PARAM
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 

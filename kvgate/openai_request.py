@@ -38,6 +38,8 @@ from kvgate.slo import Slo, SloError, parse_slo
 SESSION_HEADER = "x-kvgate-session"
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128
+MAX_CONTENT_PARTS = 10_000  # content parts in one chat request
+KV_TRANSFER_PARAM = "kv_transfer_params"  # vLLM's field of a disaggregated request
 _REQUEST_ID = re.compile(rf"[!-~]{{1,{MAX_REQUEST_ID}}}")
 Endpoint = Literal["completions", "chat"]
 
@@ -107,7 +109,10 @@ def client_request_id(value: str | None) -> str | None:
 
 
 def _dumps(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError as exc:  # (orjson writes at most 254 levels; it reads 1,024)
+        raise RequestError(f"a value nested too deeply: {exc}") from None
 
 
 def _part_bytes(part: Any) -> bytes:
@@ -248,6 +253,7 @@ def _opt_int(body: Mapping, name: str, *, minimum: int = 1) -> int | None:
 def _validate_messages(messages: Any) -> list:
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty array", param="messages")
+    parts = 0
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
@@ -259,6 +265,21 @@ def _validate_messages(messages: Any) -> list:
                 f"messages[{i}].content must be a string or an array of parts",
                 param=f"messages[{i}].content",
             )
+        if isinstance(content, list):
+            # each part is rendered for the routing key on the event loop: millions of them
+            # in a body under the size limit held every other client for a minute
+            parts += len(content)
+            if parts > MAX_CONTENT_PARTS:
+                raise RequestError(
+                    f"at most {MAX_CONTENT_PARTS} content parts in a request",
+                    param=f"messages[{i}].content",
+                )
+            for j, part in enumerate(content):
+                if not isinstance(part, (str, Mapping)):
+                    raise RequestError(
+                        f"messages[{i}].content[{j}] must be a content part (an object)",
+                        param=f"messages[{i}].content[{j}]",
+                    )
     return messages
 
 

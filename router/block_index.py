@@ -80,6 +80,39 @@ class _BlockIndex:
                 return
             i += 1
 
+    def claim(self, h: int, nid: int, end: int, length: int) -> tuple[int, int, int] | None:
+        """Insert block ``h`` unless the index holds it at another place: then that entry,
+        unchanged (the caller decides whether to :meth:`put` over it). One probe, as ``put``."""
+        wide = self.wide
+        if h == 0 or end > _END_MASK or length > _LEN_MASK or nid >> _NID_BITS or h in wide:
+            old = self.get(h)
+            if old is not None and old != (nid, end, length):
+                return old
+            self.put(h, nid, end, length)
+            return None
+        v = (nid << (_END_BITS + _LEN_BITS)) | (end << _LEN_BITS) | length
+        keys = self._keys
+        i = h & self._mask
+        while True:
+            k = keys[i]
+            if k == h:
+                old_v = self._vals[i]
+                if old_v == v:
+                    return None
+                return (
+                    old_v >> (_END_BITS + _LEN_BITS),
+                    (old_v >> _LEN_BITS) & _END_MASK,
+                    old_v & _LEN_MASK,
+                )
+            if k == 0:
+                keys[i] = h
+                self._vals[i] = v
+                self._count += 1
+                if self._count > self._cap * _MAX_LOAD or i >= len(keys) - 2:
+                    self._rebuild(self._cap.bit_length())
+                return None
+            i += 1
+
     def delete(self, h: int) -> None:
         """Remove ``h``."""
         if self.wide:

@@ -143,9 +143,8 @@ class Cluster(ClusterState):
             eng.view = None
         elif isinstance(ev, RequestEnqueued):
             eng.reports_requests = True
-            self._not_pending(ev.request_id)
-            rec = self._inflight.get(ev.request_id)
-            if rec is not None and rec.engine_id == eng.engine_id and not rec.engine_tokens:
+            rec = self._on(eng, ev.request_id)
+            if rec is not None and not rec.engine_tokens:
                 # the engine's own count of its prefill (it may not see a prefix the router
                 # credits yet): what its heartbeats' queue holds of this request
                 cached = ev.cached_bytes * ev.input_tokens // ev.key_bytes if ev.key_bytes else 0
@@ -153,10 +152,8 @@ class Cluster(ClusterState):
                 eng.enqueued_tokens += rec.engine_tokens
         elif isinstance(ev, (RequestStarted, RequestPreempted)):
             eng.reports_requests = True
-            self._not_pending(ev.request_id)
-            rec = self._inflight.get(ev.request_id)
-            started = isinstance(ev, RequestStarted)
-            if started and rec is not None and rec.engine_id == eng.engine_id:
+            rec = self._on(eng, ev.request_id)
+            if isinstance(ev, RequestStarted) and rec is not None:
                 # its prefill starts: the engine reserves its KV memory now, not at its first
                 # token (a long prompt holds a small engine's memory for its whole prefill)
                 self._hold_memory(eng, rec)
@@ -164,8 +161,7 @@ class Cluster(ClusterState):
                 self._load_dirty[eng.engine_id] = eng
         elif isinstance(ev, FirstToken):
             eng.reports_requests = True
-            self._not_pending(ev.request_id)
-            rec = self._inflight.get(ev.request_id)
+            rec = self._on(eng, ev.request_id)
             self._fit_prefill(eng, ev, rec)
             if ev.kv_transfer_ms is not None and ev.kv_transfer_tokens and self.config.fit_speed:
                 self.kv.observe(ev.kv_transfer_tokens, ev.kv_transfer_ms)
@@ -173,18 +169,20 @@ class Cluster(ClusterState):
                 self._first_token(eng, ev.request_id, rec, ev.ttft_ms, now)
         elif isinstance(ev, RequestFinished):
             eng.reports_requests = True
-            rec = self._inflight.get(ev.request_id)
+            rec = self._on(eng, ev.request_id)
             if rec is not None and not rec.first_token:
                 self._record_ttft(rec.group, ev.ttft_ms, now)
             if ev.output_tokens > 1:
                 self._record_tpot(eng, ev.tpot_ms)
             if ev.max_tokens is not None:  # (the answer against the cap it was given)
                 self.output_fit.observe(ev.max_tokens, ev.output_tokens)
-            self.release(ev.request_id, "event", now)
+            if rec is not None:
+                self.release(ev.request_id, "event", now)
         elif isinstance(ev, RequestRejected):
             eng.reports_requests = True
             self._fit_refusal(eng, ev)
-            self.release(ev.request_id, "event", now)
+            if self._on(eng, ev.request_id) is not None:
+                self.release(ev.request_id, "event", now)
 
     def _first_token(
         self, eng: _Engine, request_id: str, rec: _Inflight, ttft_ms: float, now: float
@@ -233,7 +231,7 @@ class Cluster(ClusterState):
             or not (math.isfinite(ttft_ms) and ttft_ms >= 0.0)
         ):
             return False
-        self._not_pending(request_id)
+        self._on(eng, request_id)  # (no longer pending)
         cfg = self.config
         if (
             cfg.fit_speed
@@ -288,14 +286,22 @@ class Cluster(ClusterState):
         eng.view = None
         self._load_dirty[eng.engine_id] = eng
 
-    def _not_pending(self, request_id: str) -> None:
+    def _on(self, eng: _Engine, request_id: str) -> _Inflight | None:
+        """The in-flight record of ``request_id`` if the router sent it to ``eng`` (which has
+        now said something of it: no longer pending), else None. A request retried elsewhere
+        keeps its id, so the first engine's late word on it (or another engine's) is about a
+        request not there: counted in ``stale_outcomes``, it must not release the new one."""
         rec = self._inflight.get(request_id)
-        if rec is not None and rec.pending:
+        if rec is None:
+            return None
+        if rec.engine_id != eng.engine_id:
+            self.stale_outcomes += 1
+            return None
+        if rec.pending:
             rec.pending = False
-            eng = self.engines.get(rec.engine_id)
-            if eng is not None:
-                eng.pending_prefill_tokens -= rec.missed_tokens
-                eng.view = None
+            eng.pending_prefill_tokens -= rec.missed_tokens
+            eng.view = None
+        return rec
 
     def _prefill_done(self, rec: _Inflight, request_id: str) -> None:
         """``rec``'s prefill is no longer outstanding work of its engine."""
@@ -593,6 +599,11 @@ class Cluster(ClusterState):
         rec.ttft_pred_ms = queued * eng.speed.prefill / prefill_share(ev, step) + step
         rec.ttft_factor_log = eng.speed.prefill_log
         rec.ttft_weight = min(own_ms / queued, 1.0)
+
+    def inflight_engine(self, request_id: str) -> str | None:
+        """The engine ``request_id`` is in flight on (None: no record)."""
+        rec = self._inflight.get(request_id)
+        return rec.engine_id if rec is not None else None
 
     def release(self, request_id: str, how: str, now: float) -> bool:
         """A routed request ended (``how``: event, report or timeout); frees its in-flight slot.

@@ -192,6 +192,9 @@ class ClusterState:
         self.moves = 0
         self.replications = 0
         self.released_by: dict[str, int] = {"event": 0, "report": 0, "timeout": 0}
+        # request events and gateway reports naming an engine the request is not on (a late
+        # word from the engine of a retried request, or another engine's): ignored
+        self.stale_outcomes = 0
         self.kv = KvLink(c.kv_bytes_per_token, c.kv_link_gbps)
         # the fleet's recent prefill work by TTFT SLO: who overtakes whom in an S-EDF queue
         self.slo_mix = SloMix(RATE_TAU_S)

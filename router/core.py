@@ -249,11 +249,20 @@ class Router:
         flight. With ``output_tokens`` and ``max_tokens`` (0: unknown) the answer's length
         against the cap its request stated, learned for an engine that sends no finished-request
         events of its own (:meth:`router.cluster.Cluster.gateway_answer`). False when the router
-        had no record of it (already released)."""
+        had no record of it (already released), or its records are on other engines: a request
+        retried elsewhere keeps its id, and the report of the engine that failed it, queued in
+        the gateway, may come after the retry was routed (``Cluster.stale_outcomes``)."""
+        cl = self.cluster
         if outcome == "ok":
-            self.cluster.gateway_answer(engine_id, max_tokens, output_tokens)
-        decode = self.cluster.release(decode_id(request_id), "report", now)
-        return self.cluster.release(request_id, "report", now) or decode
+            cl.gateway_answer(engine_id, max_tokens, output_tokens)
+        # (a disaggregated request's pair: the gateway names the engine of the phase it was in)
+        records = [cl.inflight_engine(request_id), cl.inflight_engine(decode_id(request_id))]
+        if engine_id not in records:
+            if any(records):
+                cl.stale_outcomes += 1
+            return False
+        decode = cl.release(decode_id(request_id), "report", now)
+        return cl.release(request_id, "report", now) or decode
 
     def first_token(self, request_id: str, engine_id: str, ttft_ms: float, now: float) -> bool:
         """The gateway's TTFT of a streamed answer, for an engine that sends no request events
@@ -354,6 +363,7 @@ class Router:
                 "index_bytes": ts.index_bytes,
                 "dropped_nodes": ts.dropped_nodes,
                 "orphan_chains": ts.orphan_chains,
+                "hash_conflicts": ts.hash_conflicts,
             },
             "speculative": {
                 "entries": len(cl.spec),
@@ -375,6 +385,7 @@ class Router:
             ],
             "inflight": len(cl._inflight),
             "released": dict(cl.released_by),
+            "stale_outcomes": cl.stale_outcomes,
             "rebalance": {"moves": cl.moves, "replications": cl.replications},
             "events": dict(cl.events),
             # engines' announcements of a profile this router cannot read (the default stood in)

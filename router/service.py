@@ -282,9 +282,20 @@ class _StateCollector(Collector):
             ),
             ("snapshots_loaded", "Engine snapshots loaded", s.snapshots_loaded),
             ("sink_errors", "Events the router failed to apply (logged)", s.sink_errors),
+            (
+                "loop_errors",
+                "Rounds of the event feed that failed unexpectedly (logged)",
+                s.loop_errors,
+            ),
             ("reconnects", "Times the broker became reachable again", s.reconnects),
         ):
             yield CounterMetricFamily(f"kvgate_router_broker_{name}", doc, value)
+        yield CounterMetricFamily(
+            "kvgate_router_stale_outcomes",
+            "Request events and gateway reports naming an engine the request is not on (a"
+            " retried request's first engine, late), ignored",
+            router.cluster.stale_outcomes,
+        )
         yield CounterMetricFamily(
             "kvgate_router_unknown_profiles",
             "Engines' announcements of a cost profile this router cannot read (it predicts"

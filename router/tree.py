@@ -82,6 +82,7 @@ class TreeStats:
     engines: int
     dropped_nodes: int
     orphan_chains: int
+    hash_conflicts: int
 
 
 def _drop_zeros(out: dict[str, int]) -> dict[str, int]:
@@ -112,6 +113,7 @@ class RadixTree:
         self.total_bytes = 0
         self.dropped_nodes = 0
         self.orphan_chains = 0
+        self.hash_conflicts = 0  # blocks announced under a hash another place holds (skipped)
 
     # ------------------------------------------------------------------ node bookkeeping
 
@@ -360,11 +362,32 @@ class RadixTree:
             end += len(b)
             while path[at].end < end:
                 at += 1
-            index.put(h, path[at].nid, end, len(b))
-            path[at].add_end(end)
+            node = path[at]
+            node.add_end(end)
+            old = index.claim(h, node.nid, end, len(b))
+            if old is not None:  # indexed at another place
+                if self._held_elsewhere(old, node, end):
+                    # the hash of other bytes another engine holds: a hash is content, so this
+                    # engine's announcement is wrong (a bug, a forgery) and must not take the
+                    # index from the engines whose later events name that block
+                    self.hash_conflicts += 1
+                    continue
+                index.put(h, node.nid, end, len(b))
         if self.total_bytes > self.budget_bytes:
             self.gc(now)
         return True
+
+    def _held_elsewhere(self, ref: tuple[int, int, int], node: Node, end: int) -> bool:
+        """Whether index entry ``ref`` names a block some engine still holds at another place
+        than the one ending at ``end`` in ``node``."""
+        nid, ref_end, _ = ref
+        ref_node = self._nodes[nid] if nid < len(self._nodes) else None
+        loc = self._locate(ref_node, ref_end - 1) if ref_node is not None else None
+        if loc is None or (loc is node and ref_end == end):
+            return False
+        need = ref_end - loc.start
+        holders = (*(loc.full or ()), *(loc.partial or ()))
+        return any(loc.coverage(e) >= need for e in holders)
 
     def apply_removed(self, engine: str, hashes: Iterable[int], now: float) -> int:
         """``engine`` evicted these blocks (and so, for matching, everything below them);
@@ -527,4 +550,5 @@ class RadixTree:
             engines=len(self.engines()),
             dropped_nodes=self.dropped_nodes,
             orphan_chains=self.orphan_chains,
+            hash_conflicts=self.hash_conflicts,
         )

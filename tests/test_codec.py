@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from broker.codec import CodecError, decode_batch, decode_snapshot, encode_batch, encode_snapshot
 from broker.events import (
+    MAX_BLOCKS_PER_EVENT,
     REJECT_CAUSES,
     AllCleared,
     BlockRemoved,
@@ -23,6 +24,8 @@ from broker.events import (
     RequestRejected,
     RequestStarted,
     Snapshot,
+    removed_events,
+    stored_events,
 )
 
 U64 = st.integers(0, 2**64 - 1)
@@ -229,6 +232,23 @@ def test_events_validate_on_construction() -> None:
         RequestEnqueued("r", 5, 6, 1, 1)
     with pytest.raises(EventError):
         FirstToken("r", float("nan"))
+
+
+def test_an_event_names_a_bounded_number_of_blocks_and_producers_split_longer_runs() -> None:
+    """300,000 blocks in one event took a router's event loop for 0.4 s: an event names at
+    most ``MAX_BLOCKS_PER_EVENT``, and a longer chain or eviction goes out in pieces."""
+    n = MAX_BLOCKS_PER_EVENT
+    with pytest.raises(EventError, match="blocks in one event"):
+        BlockStored(None, tuple(range(1, n + 2)), (b"b",) * (n + 1))
+    with pytest.raises(EventError, match="blocks in one event"):
+        BlockRemoved(tuple(range(1, n + 2)))
+    hashes = list(range(1, 2 * n + 11))
+    pieces = stored_events(7, hashes, [b"b"] * len(hashes))
+    assert [len(p.hashes) for p in pieces] == [n, n, 10]
+    assert [p.parent_hash for p in pieces] == [7, n, 2 * n]  # each chained to the one before
+    assert [h for p in pieces for h in p.hashes] == hashes
+    assert [len(p.hashes) for p in removed_events(hashes)] == [n, n, 10]
+    assert stored_events(None, [], []) == [] and removed_events([]) == []
 
 
 @given(st.lists(block_stored, max_size=6), st.none() | heartbeat, st.integers(-1, 10**9))

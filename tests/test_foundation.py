@@ -90,6 +90,30 @@ def test_profile_round_trip_and_errors(tmp_path) -> None:
         load_profile(str(bad))
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"decode": {"a": 0.0, "b": 0.08, "c": 0.0, "d": 1.7e308}},
+        {"decode": {"a": 0.0, "b": 0.08, "c": 1.7e308, "d": 19.0}},
+        {"block_tokens": 1.7e308},
+        {"block_tokens": 1 << 20},
+        {"bytes_per_token": 1e300},
+        {"kv_blocks": 2**64},
+        {"max_running": 1e300},
+    ],
+)
+def test_a_profile_no_engine_has_is_refused(change: dict) -> None:
+    """Finite but absurd figures (a profile comes off the wire, inline in a heartbeat)
+    overflowed the router's arithmetic and failed every decision of the fleet."""
+    data = {**default_profile().to_dict(), **change}
+    with pytest.raises(ProfileError, match=r"no engine's|whole number up to"):
+        CostProfile.from_dict(data)
+    eff = default_profile().to_dict()
+    eff["prefill"]["efficiency"] = 1e-300
+    with pytest.raises(ProfileError, match="efficiency"):
+        CostProfile.from_dict(eff)
+
+
 def test_parse_chat_canonical_key_and_slo() -> None:
     body = {
         "model": "m",
@@ -139,6 +163,30 @@ def test_bad_requests_raise_with_param(endpoint, body, headers, param) -> None:
     if param is not None:
         assert exc.value.param == param
     assert exc.value.to_body()["error"]["message"]
+
+
+def test_content_parts_are_objects_and_bounded_in_number() -> None:
+    """Each part is rendered for the routing key on the gateway's event loop: millions of
+    non-object parts in a body under the size limit held every client for a minute."""
+    from kvgate.openai_request import MAX_CONTENT_PARTS
+
+    def chat(*contents: list) -> dict:
+        return {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}
+
+    with pytest.raises(RequestError) as exc:
+        parse_request("chat", chat(["a", None]), {})
+    assert exc.value.param == "messages[0].content[1]"
+    part = {"type": "text", "text": "x"}
+    half = [part] * (MAX_CONTENT_PARTS // 2)
+    parse_request("chat", chat(half, half), {})  # at the bound
+    with pytest.raises(RequestError, match="content parts") as exc:
+        parse_request("chat", chat(half, [*half, part]), {})
+    assert exc.value.param == "messages[1].content"
+    deep: object = {"type": "x"}
+    for _ in range(300):  # (orjson reads 1,024 levels but writes 254)
+        deep = [deep]
+    with pytest.raises(RequestError, match="nested too deeply"):
+        parse_request("chat", chat([{"type": "x", "a": deep}]), {})
 
 
 def test_what_openai_accepts_still_parses() -> None:
@@ -208,6 +256,11 @@ def test_speed_fit_converges_follows_drift_and_ignores_nonsense() -> None:
     assert fit.prefill == before
     fit.observe_prefill(1.0, 1e9)  # one absurd sample moves it by at most alpha x log 8
     assert fit.prefill <= before * 8.0**0.05 + 1e-9
+    # a ratio that underflows (or overflows) a float is clipped, not a math domain error
+    for predicted, observed in ((1e300, 5e-324), (5e-324, 1e300)):
+        fit.observe_prefill(predicted, observed)
+        fit.observe_decode(predicted, observed)
+    assert math.isfinite(fit.prefill) and math.isfinite(fit.decode)
     weak = SpeedFit()
     weak.observe_prefill(100.0, 300.0, weight=0.5)
     assert weak.prefill_evidence == 0.5 and weak.prefill == pytest.approx(3.0)

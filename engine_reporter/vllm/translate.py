@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
-from broker.events import AllCleared, BlockRemoved, BlockStored, Event
+from broker.events import AllCleared, Event, removed_events, stored_events
 from engine_reporter.hashing import block_hash
 from engine_reporter.vllm.tokens import TokenBytes, UnknownTokenError
 from engine_reporter.vllm.wire import (
@@ -140,7 +140,7 @@ class Translator:
 
         def flush() -> None:
             if run_hashes:
-                out.append(BlockStored(run_parent, tuple(run_hashes), tuple(run_blocks)))
+                out.extend(stored_events(run_parent, run_hashes, run_blocks))
                 self.stats.blocks_announced += len(run_hashes)
                 run_hashes.clear()
                 run_blocks.clear()
@@ -210,4 +210,4 @@ class Translator:
         if not gone:
             return []
         self.stats.blocks_removed += len(gone)
-        return [BlockRemoved(tuple(gone))]
+        return list(removed_events(gone))

@@ -142,8 +142,9 @@ def decode_payload(payload: bytes) -> VllmBatch:
     """msgpack bytes of one ``KVEventBatch``."""
     try:
         obj = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, TypeError, ValueError) as exc:
-        raise WireError(f"payload is not msgpack: {exc}") from exc
+    except (msgspec.DecodeError, TypeError, ValueError, RecursionError) as exc:
+        # (RecursionError: arrays nested thousands deep)
+        raise WireError(f"payload is not msgpack: {exc!r}") from exc
     return batch_from_obj(obj)
 
 

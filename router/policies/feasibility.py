@@ -90,6 +90,7 @@ from router.policies.base import (
 
 TPOT_SAFETY = 1.3  # SCORPIO's margin on the decode-time estimate
 TPOT_HEADROOM = 0.99
+UNBOUNDED_BATCH = 1 << 30  # a decode batch no TPOT SLO bounds (a step that does not grow)
 STEP_BUDGET = 0.9  # the engine cuts a step to this x the tightest decoding TPOT SLO
 MIN_RETRY_S, MAX_RETRY_S = 0.5, 30.0
 RATE_TAU_S = 10.0  # EngineView.rate_per_s decays with this time constant
@@ -260,8 +261,10 @@ def batch_capacity(ev: EngineView, mean_ctx: float, tpot_ms: float) -> int:
     per_request = prof.decode_a * mean_ctx + prof.decode_b
     room = TPOT_HEADROOM * tpot_ms / (TPOT_SAFETY * ev.decode_scale)
     room -= prof.decode_d + prof.decode_c * mean_ctx
-    if per_request <= 0:
-        return 1 << 30 if room > 0 else 0
+    if not room > 0:
+        return 0
+    if per_request <= 0 or room >= per_request * UNBOUNDED_BATCH:
+        return UNBOUNDED_BATCH  # (the quotient would overflow, or divide by 0)
     return max(math.ceil(room / per_request) - 1, 0)
 
 

@@ -152,6 +152,15 @@ async def test_garbage_written_raw_is_skipped_and_counted(shared) -> None:
     await run_workload(rep, work, 50)
     assert await converged(sink, rep)
     assert consumer.stats.malformed_by_engine.get("bad", 0) >= 1
+    # a registry member that is no engine id (not UTF-8) made every discovery raise, and the
+    # consumer read nothing more: dropped and counted, the engines' events still flow
+    await raw.sadd(f"{b.prefix}engines", b"\xff\xfe-bad", b"")
+    await raw.set(f"{b.prefix}alive:".encode() + b"\xff\xfe-bad", "1", ex=30)
+    assert await wait_until(lambda: b.stats.bad_registry_members >= 2)
+    assert not await raw.sismember(f"{b.prefix}engines", b"\xff\xfe-bad")
+    await run_workload(rep, work, 50)
+    assert await converged(sink, rep)
+    assert consumer.stats.loop_errors == 0
     await consumer.close()
     await rep.close()
 

@@ -185,6 +185,77 @@ async def test_a_failing_sink_never_stops_the_consumer() -> None:
     await rep.close()
 
 
+async def test_an_unexpected_error_is_counted_and_retried_with_backoff() -> None:
+    """A round that fails for a reason nobody foresaw (a bug, a registry member that is no
+    engine id) was logged every 50 ms with no backoff and counted nowhere."""
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    failures = 0
+    real = b.engines
+
+    async def engines() -> list[str]:
+        nonlocal failures
+        if failures < 4:
+            failures += 1
+            raise RuntimeError("a bug")
+        return await real()
+
+    b.engines = engines  # type: ignore[method-assign]
+    sink = FoldingSink()
+    consumer = Consumer(b, sink, **FAST, backoff_s=(0.02, 0.5))
+    t0 = asyncio.get_running_loop().time()
+    await consumer.start()
+    await run_workload(rep, Workload(8), 100)
+    assert await converged(sink, rep)
+    assert consumer.stats.loop_errors == 4
+    # four retries, each wait doubling from 0.02 s: 0.3 s at least before the first read
+    assert asyncio.get_running_loop().time() - t0 >= 0.02 * (1 + 2 + 4 + 8) * 0.8
+    await consumer.close()
+    await rep.close()
+
+
+async def test_a_long_read_lets_the_event_loop_run(monkeypatch) -> None:
+    """Applying a read's entries lets the loop run every ``INGEST_SLICE_S`` (routing
+    decisions wait on it): eight entries of 300,000 blocks each held a router's loop for 3 s."""
+    import broker.consumer as consumer_module
+
+    monkeypatch.setattr(consumer_module, "INGEST_SLICE_S", 0.0)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    seen: list[int] = []
+
+    class Watching(FoldingSink):
+        def apply(self, env, now):
+            seen.append(ticks)
+            super().apply(env, now)
+
+    b = MemoryBroker()
+    rep = reporter(b)
+    await rep.start()
+    work = Workload(9)
+    for _ in range(200):  # an entry each
+        rep.emit(work.next_event())
+        assert await rep.flush()
+    consumer = Consumer(b, Watching(), **FAST)
+    task = asyncio.create_task(ticker())
+    try:
+        await consumer.poll_once(0)
+        await consumer.poll_once(0)
+    finally:
+        task.cancel()
+    assert len(seen) >= 100
+    assert len(set(seen)) > len(seen) // 2  # the ticker ran between entries of one read
+    await consumer.close()
+    await rep.close()
+
+
 async def test_consumer_started_late_loads_snapshot_then_replays() -> None:
     b = MemoryBroker()
     rep = reporter(b, snapshot_interval_s=0.05)

@@ -119,7 +119,8 @@ def test_alert_rules_cover_the_required_conditions() -> None:
     (rules,) = load_yaml_docs(RULES_FILE)
     alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
     for name in ("KvgateSloAttainmentLow", "KvgateBrokerLagHigh", "KvgateEngineDown",
-                 "KvgateRouterTreeNearBudget", "KvgateRouterUnknownProfile"):  # fmt: skip
+                 "KvgateRouterTreeNearBudget", "KvgateRouterUnknownProfile",
+                 "KvgateRouterEventFeedErrors"):  # fmt: skip
         assert name in alerts, f"missing alert {name}"
         rule = alerts[name]
         assert rule["labels"]["severity"] in ("warning", "critical")

@@ -87,6 +87,42 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str | None]] = [
         400,
         "stop",
     ),
+    # a content part is an object (or a string): millions of numbers, each rendered for the
+    # routing key on the event loop, held every client for a minute
+    (
+        CHAT,
+        b'{"model": "test-model", "messages": [{"role": "user", "content": ["a", 1]}]}',
+        {},
+        400,
+        "messages[0].content[1]",
+    ),
+    # nesting orjson reads (to 1,024) but cannot write (over 254): a 500 where re-encoded
+    (
+        CHAT,
+        b'{"model": "test-model", "messages": [{"role": "user", "content": [{"type": "x", "a": '
+        + b"[" * 300
+        + b"]" * 300
+        + b"}]}]}",
+        {},
+        400,
+        None,
+    ),
+    (
+        C,
+        b'{"model": "test-model", "prompt": "x", "metadata": ' + b"[" * 300 + b"]" * 300 + b"}",
+        {},
+        400,
+        None,
+    ),
+    # the gateway's field of a two-phase request: a client's made engines fail and be ejected
+    (
+        CHAT,
+        b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}], '
+        b'"kv_transfer_params": {"do_remote_prefill": true, "remote_port": 1}}',
+        {},
+        400,
+        "kv_transfer_params",
+    ),
 ]
 
 

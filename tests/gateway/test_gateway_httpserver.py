@@ -432,6 +432,39 @@ async def _slow_client_gets_flow_control() -> None:
     await srv.shutdown(1.0)
 
 
+async def _pipelining_client_that_never_reads() -> None:
+    """Requests pipelined by a client that does not read the answers: whole answers were
+    written without waiting for the client, so they piled up in the server's memory (10,000
+    requests of /metrics: 54 -> 155 MB). The next request now waits until the client reads."""
+    body = b"y" * (256 << 10)
+    handled = []
+
+    class Whole(App):
+        async def hello(self, req: Request) -> Response:
+            handled.append(1)
+            return Response(200, body)
+
+    app = Whole()
+    app.routes.add("GET", "/whole", app.hello)
+    srv = HttpServer(app.routes, error=error_response, max_body_bytes=100)
+    port = await srv.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+    writer.transport.pause_reading()
+    n = 200
+    writer.write(req("GET", "/whole") * n)
+    await asyncio.sleep(0.5)
+    assert len(handled) < n // 2  # (socket buffers hold some; the server holds no more)
+    writer.transport.resume_reading()
+    total = 0
+    while total < n * len(body):
+        chunk = await asyncio.wait_for(reader.read(1 << 20), 5)
+        assert chunk
+        total += len(chunk)
+    assert len(handled) == n
+    writer.close()
+    await srv.shutdown(1.0)
+
+
 async def _head_sent_a_byte_at_a_time() -> None:
     """A big head in many small packets parses in linear time (and correctly)."""
     async with server() as (_app, _srv, port):
@@ -553,6 +586,7 @@ SCENARIOS: dict[str, Callable[[], Awaitable[None]]] = {
         _streams_disconnects_and_idle_connections,
         _graceful_shutdown,
         _slow_client_gets_flow_control,
+        _pipelining_client_that_never_reads,
         _head_sent_a_byte_at_a_time,
         _head_deadline,
         _body_deadline,

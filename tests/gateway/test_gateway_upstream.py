@@ -103,6 +103,10 @@ def test_chunked_decoder_at_every_split_point() -> None:
             ChunkedDecoder().feed(bad)
     with pytest.raises(ValueError):
         ChunkedDecoder().feed(b"1" * 5000)  # a size line that never ends
+    # a line ended by a bare LF can never become valid: refused at once, not at the timeout
+    for bad in (b"5\nhello\r\n", b"0\r\n\n", b"0\r\nTrailer: x\n"):
+        with pytest.raises(ValueError, match="bare LF"):
+            ChunkedDecoder().feed(bad)
 
 
 def test_targets() -> None:

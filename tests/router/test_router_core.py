@@ -7,6 +7,7 @@ import math
 import random
 from dataclasses import replace
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -204,6 +205,49 @@ def test_inflight_released_by_finish_reject_report_and_timeout() -> None:
     cl.expire(100.0)
     assert cl.engines["e0"].inflight == 0
     assert cl.released_by == {"event": 2, "report": 1, "timeout": 1}
+
+
+def test_a_retried_requests_first_engine_cannot_release_it_on_the_next() -> None:
+    """The gateway retries a request elsewhere under the same id, and its report of the
+    engine that failed it is queued: when that report, or that engine's own late event, came
+    after the retry was routed, it released the record on the new engine by id."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    first = f.route("r", b"k" * 100, 1.0).engine_id
+    assert first is not None
+    second = f.route("r", b"k" * 100, 1.1, exclude=frozenset({first})).engine_id
+    assert second is not None and second != first
+    assert (cl.engines[first].inflight, cl.engines[second].inflight) == (0, 1)
+    assert not f.router.report("r", first, "failed", 1.2)  # the first engine's, late
+    f.send(first, RequestRejected("r", "slo"), 1.2)
+    f.send(first, FirstToken("r", 50.0), 1.2)
+    f.send(first, RequestFinished("r", 10, 50.0, 20.0), 1.2)
+    assert cl.engines[second].inflight == 1 and cl.inflight_engine("r") == second
+    assert cl.stale_outcomes == 4
+    assert f.router.state(1.3)["stale_outcomes"] == 4
+    f.send(second, RequestFinished("r", 10, 50.0, 20.0), 1.4)  # its own engine's word counts
+    assert cl.engines[second].inflight == 0 and cl.released_by["event"] == 1
+
+
+def test_an_engine_announcing_a_profile_no_engine_has_cannot_fail_routing() -> None:
+    """Finite but absurd figures in an inline profile (a block of 1e308 tokens, a decode step
+    of 1e308 ms) passed as a profile and then overflowed every decision of the fleet."""
+    from kvgate.cost_model import default_profile
+
+    f = Fleet(n=2)
+    for change in (
+        {"decode": {"a": 0.0, "b": 0.08, "c": 0.0, "d": 1.7e308}},
+        {"block_tokens": 1.7e308},
+        {"decode": {"a": 0.0, "b": 5e-324, "c": 0.0, "d": 0.0}},  # (a plausible one)
+    ):
+        inline = orjson.dumps({**default_profile().to_dict(), **change, "name": "x"}).decode()
+        f.heartbeat("e1", 1.0, profile=inline, kv_blocks_total=2**64 - 1)
+        f.send("e1", FirstToken("z", 1.0, prefill_ms=5e-324, prefill_tokens=10**6), 1.0)
+        for i in range(3):
+            d = f.route(f"p{i}", bytes([i]) * 300, 1.0)
+            assert d.engine_id in ("e0", "e1")
+        f.router.state(1.0)
+    assert f.router.cluster.unknown_profiles == 2
 
 
 def test_tpot_median_feeds_the_load_term() -> None:

@@ -196,6 +196,30 @@ def test_match_credits_whole_blocks_of_any_length() -> None:
     assert tree.match(key).per_engine == {"e0": len(doc_a[0]), "e2": len(doc_a[0])}
 
 
+def test_an_engine_announcing_anothers_hashes_for_other_bytes_changes_nothing_for_it() -> None:
+    """A hash names content, so a second engine's announcement of the same hashes for other
+    bytes is wrong (a bug, a forgery). It took the block index over: the first engine's next
+    chain, whose parent is one of those blocks, was dropped as an orphan, and its evictions of
+    them were ignored, so the router kept sending it requests for blocks it no longer held."""
+    tree = RadixTree()
+    doc = [bytes([65 + i]) * 8 for i in range(6)]
+    hashes = _chain(None, doc)
+    tree.apply_stored("good", None, hashes, doc, 0.0)
+    forged = [bytes([97 + i]) * 8 for i in range(6)]
+    tree.apply_stored("bad", None, hashes, forged, 1.0)
+    assert tree.hash_conflicts == 6
+    more = [b"Z" * 8]
+    assert tree.apply_stored("good", hashes[-1], _chain(hashes[-1], more), more, 2.0)
+    key = b"".join(doc + more)
+    assert tree.match(key).per_engine == {"good": len(key)}
+    assert tree.apply_removed("good", hashes[3:], 3.0) == 1  # (the rest went with it)
+    assert tree.match(key).per_engine == {"good": 24}
+    # the same chain again from another engine is no conflict
+    tree.apply_stored("twin", None, hashes, doc, 4.0)
+    assert tree.hash_conflicts == 6
+    assert tree.match(key).per_engine == {"good": 24, "twin": 48}
+
+
 def test_block_index_agrees_with_a_dict_under_collisions() -> None:
     import random
 
@@ -205,10 +229,17 @@ def test_block_index_agrees_with_a_dict_under_collisions() -> None:
     keys = [rng.randrange(1 << 64) for _ in range(300)] + [0, 16, 32, 48]  # same home slot
     for step in range(5000):
         h = keys[rng.randrange(len(keys))]
-        if rng.random() < 0.6:
+        r = rng.random()
+        if r < 0.4:
             v = (rng.randrange(1 << 20), rng.randrange(1 << 30), rng.randrange(1 << 13))
             index.put(h, *v)
             ref[h] = v
+        elif r < 0.6:  # claim: inserts where absent or the same, else answers what is there
+            v = ref.get(h) if rng.random() < 0.3 and h in ref else None
+            v = v or (rng.randrange(1 << 20), rng.randrange(1 << 30), rng.randrange(1 << 13))
+            got = index.claim(h, *v)
+            assert got == (ref[h] if h in ref and ref[h] != v else None)
+            ref.setdefault(h, v)
         else:
             index.delete(h)
             ref.pop(h, None)

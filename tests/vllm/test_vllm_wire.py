@@ -114,6 +114,7 @@ def test_bytes_hashes_are_kept_as_bytes() -> None:
         [b"kv", b"\x00" * 8, enc.encode([0.0, "not a list"])],
         [b"kv", b"\x00" * 8, enc.encode(["ts", []])],
         [b"kv", b"\x00" * 8, enc.encode(12)],
+        [b"kv", b"\x00" * 8, b"\x91" * 5000],  # arrays 5,000 deep: RecursionError escaped
     ],
 )
 def test_malformed_messages_raise_wire_error(bad_frames: list[bytes]) -> None:
