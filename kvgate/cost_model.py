@@ -213,7 +213,8 @@ class CostProfile:
                 )
         for what, limit in PROFILE_INT_LIMITS.items():
             value = getattr(self, what)
-            if value != int(value) or value > limit:
+            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if not whole or value > limit:
                 raise ProfileError(
                     f"{self.name}: {what} = {value!r}: must be a whole number up to {limit}"
                 )

@@ -43,16 +43,10 @@ class _BlockIndex:
         """(node id, end depth, length) of block ``h``, or None."""
         if h == 0:
             return self.wide.get(h)
-        keys = self._keys
-        i = h & self._mask
-        while True:
-            k = keys[i]
-            if k == h:
-                v = self._vals[i]
-                return v >> (_END_BITS + _LEN_BITS), (v >> _LEN_BITS) & _END_MASK, v & _LEN_MASK
-            if k == 0:
-                return self.wide.get(h) if self.wide else None
-            i += 1
+        i = self._probe(h)
+        if self._keys[i] == h:
+            return _unpacked(self._vals[i])
+        return self.wide.get(h) if self.wide else None
 
     def put(self, h: int, nid: int, end: int, length: int) -> None:
         """Insert or overwrite block ``h``."""
@@ -63,55 +57,46 @@ class _BlockIndex:
             return
         if self.wide:
             self.wide.pop(h, None)
-        v = (nid << (_END_BITS + _LEN_BITS)) | (end << _LEN_BITS) | length
-        keys = self._keys
-        i = h & self._mask
-        while True:
-            k = keys[i]
-            if k == h:
-                self._vals[i] = v
-                return
-            if k == 0:
-                keys[i] = h
-                self._vals[i] = v
-                self._count += 1
-                if self._count > self._cap * _MAX_LOAD or i >= len(keys) - 2:
-                    self._rebuild(self._cap.bit_length())
-                return
-            i += 1
+        i = self._probe(h)
+        if self._keys[i] == h:
+            self._vals[i] = _packed(nid, end, length)
+        else:
+            self._insert(i, h, _packed(nid, end, length))
 
     def claim(self, h: int, nid: int, end: int, length: int) -> tuple[int, int, int] | None:
         """Insert block ``h`` unless the index holds it at another place: then that entry,
         unchanged (the caller decides whether to :meth:`put` over it). One probe, as ``put``."""
-        wide = self.wide
-        if h == 0 or end > _END_MASK or length > _LEN_MASK or nid >> _NID_BITS or h in wide:
+        if h == 0 or end > _END_MASK or length > _LEN_MASK or nid >> _NID_BITS or h in self.wide:
             old = self.get(h)
             if old is not None and old != (nid, end, length):
                 return old
             self.put(h, nid, end, length)
             return None
-        v = (nid << (_END_BITS + _LEN_BITS)) | (end << _LEN_BITS) | length
+        v = _packed(nid, end, length)
+        i = self._probe(h)
+        if self._keys[i] != h:
+            self._insert(i, h, v)
+            return None
+        old_v = self._vals[i]
+        return None if old_v == v else _unpacked(old_v)
+
+    def _probe(self, h: int) -> int:
+        """The slot holding ``h``, else the empty slot where it goes (linear probing)."""
         keys = self._keys
         i = h & self._mask
         while True:
             k = keys[i]
-            if k == h:
-                old_v = self._vals[i]
-                if old_v == v:
-                    return None
-                return (
-                    old_v >> (_END_BITS + _LEN_BITS),
-                    (old_v >> _LEN_BITS) & _END_MASK,
-                    old_v & _LEN_MASK,
-                )
-            if k == 0:
-                keys[i] = h
-                self._vals[i] = v
-                self._count += 1
-                if self._count > self._cap * _MAX_LOAD or i >= len(keys) - 2:
-                    self._rebuild(self._cap.bit_length())
-                return None
+            if k == h or k == 0:
+                return i
             i += 1
+
+    def _insert(self, i: int, h: int, v: int) -> None:
+        """``h`` into empty slot ``i`` (from :meth:`_probe`), growing the table when full."""
+        self._keys[i] = h
+        self._vals[i] = v
+        self._count += 1
+        if self._count > self._cap * _MAX_LOAD or i >= len(self._keys) - 2:
+            self._rebuild(self._cap.bit_length())
 
     def delete(self, h: int) -> None:
         """Remove ``h``."""
@@ -151,10 +136,7 @@ class _BlockIndex:
         keys, vals = self._keys, self._vals
         for i, k in enumerate(keys):
             if k:
-                v = vals[i]
-                out.append(
-                    (k, v >> (_END_BITS + _LEN_BITS), (v >> _LEN_BITS) & _END_MASK, v & _LEN_MASK)
-                )
+                out.append((k, *_unpacked(vals[i])))
         out.extend((h, *t) for h, t in self.wide.items())
         return out
 
@@ -183,3 +165,11 @@ class _BlockIndex:
                 count += 1
         self._count = count
         return True
+
+
+def _packed(nid: int, end: int, length: int) -> int:
+    return (nid << (_END_BITS + _LEN_BITS)) | (end << _LEN_BITS) | length
+
+
+def _unpacked(v: int) -> tuple[int, int, int]:
+    return v >> (_END_BITS + _LEN_BITS), (v >> _LEN_BITS) & _END_MASK, v & _LEN_MASK
