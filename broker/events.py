@@ -56,7 +56,10 @@ def _check_count(name: str, value: object) -> None:
         raise EventError(f"{name} must be a non-negative int, got {value!r}")
 
 
-def _check_text(name: str, value: object, *, max_len: int = 256) -> None:
+MAX_TEXT_CHARS = 256  # an id (engine, request) or another short text field
+
+
+def _check_text(name: str, value: object, *, max_len: int = MAX_TEXT_CHARS) -> None:
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise EventError(f"{name} must be a non-empty string of at most {max_len} chars")
 

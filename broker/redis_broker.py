@@ -38,6 +38,7 @@ from broker.base import (
     ReadResult,
     refused_positions,
 )
+from broker.events import MAX_TEXT_CHARS
 
 # Blocking reads must end well before the socket timeout, or a quiet stream looks like a dead
 # server.
@@ -296,9 +297,9 @@ def connect_redis(url: str, *, prefix: str = "kvgate:") -> RedisBroker:
 
 def _engine_id(member: bytes) -> str | None:
     """A registry member as an engine id (what :class:`broker.events.Envelope` accepts: UTF-8,
-    1 to 256 characters), or None."""
+    1 to ``MAX_TEXT_CHARS`` characters), or None."""
     try:
         text = member.decode()
     except UnicodeDecodeError:
         return None
-    return text if 0 < len(text) <= 256 else None
+    return text if 0 < len(text) <= MAX_TEXT_CHARS else None

@@ -161,12 +161,8 @@ class CostProfile:
         for value, what in (
             (self.efficiency, "efficiency"),
             (self.attn_threshold, "attention threshold"),
-            (self.attn_n, "attention n"),
-            (self.attn_c, "attention c"),
-            (self.attn_nc, "attention nc"),
-            *((c, f"prefill coefficient {i} of segment {seg.min_tokens}") for seg in
-              self.segments for i, c in enumerate(seg.coef)),
-        ):  # fmt: skip
+            *self._prefill_coefficients(),
+        ):
             if not math.isfinite(value):
                 raise ProfileError(f"{self.name}: {what} = {value!r}: must be a finite number")
         for value, what in (
@@ -188,6 +184,19 @@ class CostProfile:
             )
         self._check_decode_grows()
 
+    def _prefill_coefficients(self) -> list[tuple[float, str]]:
+        """The prefill curve's and the attention term's coefficients, each with its name."""
+        return [
+            (self.attn_n, "attention n"),
+            (self.attn_c, "attention c"),
+            (self.attn_nc, "attention nc"),
+            *(
+                (c, f"prefill coefficient {i} of segment {seg.min_tokens}")
+                for seg in self.segments
+                for i, c in enumerate(seg.coef)
+            ),
+        ]
+
     def _check_plausible(self) -> None:
         """Reject figures no engine has (``MAX_COEFFICIENT``, ``EFFICIENCY_RANGE``,
         ``PROFILE_INT_LIMITS``): finite, they still overflowed the router's arithmetic."""
@@ -197,16 +206,12 @@ class CostProfile:
                 f"{self.name}: efficiency = {self.efficiency!r}: must be from {lo:g} to {hi:g}"
             )
         for value, what in (
-            (self.attn_n, "attention n"),
-            (self.attn_c, "attention c"),
-            (self.attn_nc, "attention nc"),
+            *self._prefill_coefficients(),
             (self.decode_a, "decode coefficient a"),
             (self.decode_b, "decode coefficient b"),
             (self.decode_c, "decode coefficient c"),
             (self.decode_d, "decode coefficient d"),
-            *((c, f"prefill coefficient {i} of segment {seg.min_tokens}") for seg in
-              self.segments for i, c in enumerate(seg.coef)),
-        ):  # fmt: skip
+        ):
             if abs(value) > MAX_COEFFICIENT:
                 raise ProfileError(
                     f"{self.name}: {what} = {value!r}: beyond {MAX_COEFFICIENT:g} (no engine's)"

@@ -397,6 +397,23 @@ async def _graceful_shutdown() -> None:
     writer.close()
 
 
+@asynccontextmanager
+async def client_not_reading(
+    app: App,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A server of ``app``'s routes and a connection to it whose client does not read yet
+    (``writer.transport.resume_reading()`` starts it)."""
+    srv = HttpServer(app.routes, error=error_response, max_body_bytes=100)
+    port = await srv.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+    writer.transport.pause_reading()
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+        await srv.shutdown(1.0)
+
+
 async def _slow_client_gets_flow_control() -> None:
     big = b"x" * (1 << 20)
     written = []
@@ -413,23 +430,18 @@ async def _slow_client_gets_flow_control() -> None:
 
     app = Big()
     app.routes.add("GET", "/big", app.hello)
-    srv = HttpServer(app.routes, error=error_response, max_body_bytes=100)
-    port = await srv.start("127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
-    writer.transport.pause_reading()
-    writer.write(req("GET", "/big"))
-    await asyncio.sleep(0.3)
-    assert len(written) < 32  # the handler waits for the client instead of buffering 32 MiB
-    writer.transport.resume_reading()
-    total = 0
-    while True:
-        chunk = await asyncio.wait_for(reader.read(1 << 20), 5)
-        total += len(chunk)
-        if chunk.endswith(b"0\r\n\r\n"):
-            break
-    assert len(written) == 32 and total > 32 * len(big)
-    writer.close()
-    await srv.shutdown(1.0)
+    async with client_not_reading(app) as (reader, writer):
+        writer.write(req("GET", "/big"))
+        await asyncio.sleep(0.3)
+        assert len(written) < 32  # the handler waits for the client instead of buffering 32 MiB
+        writer.transport.resume_reading()
+        total = 0
+        while True:
+            chunk = await asyncio.wait_for(reader.read(1 << 20), 5)
+            total += len(chunk)
+            if chunk.endswith(b"0\r\n\r\n"):
+                break
+        assert len(written) == 32 and total > 32 * len(big)
 
 
 async def _pipelining_client_that_never_reads() -> None:
@@ -446,23 +458,18 @@ async def _pipelining_client_that_never_reads() -> None:
 
     app = Whole()
     app.routes.add("GET", "/whole", app.hello)
-    srv = HttpServer(app.routes, error=error_response, max_body_bytes=100)
-    port = await srv.start("127.0.0.1", 0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
-    writer.transport.pause_reading()
-    n = 200
-    writer.write(req("GET", "/whole") * n)
-    await asyncio.sleep(0.5)
-    assert len(handled) < n // 2  # (socket buffers hold some; the server holds no more)
-    writer.transport.resume_reading()
-    total = 0
-    while total < n * len(body):
-        chunk = await asyncio.wait_for(reader.read(1 << 20), 5)
-        assert chunk
-        total += len(chunk)
-    assert len(handled) == n
-    writer.close()
-    await srv.shutdown(1.0)
+    async with client_not_reading(app) as (reader, writer):
+        n = 200
+        writer.write(req("GET", "/whole") * n)
+        await asyncio.sleep(0.5)
+        assert len(handled) < n // 2  # (socket buffers hold some; the server holds no more)
+        writer.transport.resume_reading()
+        total = 0
+        while total < n * len(body):
+            chunk = await asyncio.wait_for(reader.read(1 << 20), 5)
+            assert chunk
+            total += len(chunk)
+        assert len(handled) == n
 
 
 async def _head_sent_a_byte_at_a_time() -> None:
