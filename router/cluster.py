@@ -500,7 +500,7 @@ class Cluster(ClusterState):
         own_ms = p.prefill_ms(missed, cached)  # (its own prefill on the profile)
         prefill = own_ms + (p.prefill_ms(cached) / holders if cached else 0)
         prefill *= eng.speed.prefill
-        entry = [now, engine_id, group, prefill, req.max_tokens, key_len]
+        entry = [now, engine_id, group, prefill, req.max_tokens]
         self._load.append(entry)
         eng.load_prefill_ms += prefill
         eng.load_out_tokens += req.max_tokens
@@ -516,14 +516,6 @@ class Cluster(ClusterState):
         g.requests += 1
         if key_len > g.key_bytes:
             g.key_bytes = key_len
-        g.key_sum += key_len
-        # a request of a prefix reused there found less of it cached (as the engine's block
-        # events say: the router's own entries outlive an eviction) than an earlier one did:
-        # the engine evicted a prefix it reuses (rebalancing may relieve its cache)
-        held = match.per_engine.get(engine_id, 0)
-        self.reuse_missed_on = engine_id if g.requests > 1 and held < g.reused_bytes else None
-        if held > g.reused_bytes:
-            g.reused_bytes = held
         g.entries.append(entry)
         self._note_group(eng, group, g)
         self._hits.append((now, engine_id, mine, key_len))
@@ -681,8 +673,6 @@ class Cluster(ClusterState):
                     d.out_tokens += g.out_tokens
                     d.requests += g.requests
                     d.key_bytes = max(d.key_bytes, g.key_bytes)
-                    d.key_sum += g.key_sum
-                    d.reused_bytes = max(d.reused_bytes, g.reused_bytes)
                     d.entries = deque(sorted((*d.entries, *g.entries), key=lambda e: e[0]))
                 self._note_group(dst, mv.group, d)
             self._overrides[mv.group] = (mv.dst, until)
@@ -697,7 +687,7 @@ class Cluster(ClusterState):
         horizon = now - c.window_s
         load = self._load
         while load and load[0][0] < horizon:
-            t, engine_id, group, prefill, out, key_len = load.popleft()
+            t, engine_id, group, prefill, out = load.popleft()
             self._window_prefill_ms -= prefill
             self._window_out_tokens -= out
             eng = self.engines.get(engine_id)
@@ -714,7 +704,6 @@ class Cluster(ClusterState):
                 g.prefill_ms -= prefill
                 g.out_tokens -= out
                 g.requests -= 1
-                g.key_sum -= key_len
                 dq = g.entries
                 if dq and dq[0][0] == t and dq[0][3] == prefill:
                     dq.popleft()

@@ -149,14 +149,11 @@ class ClusterState:
         # the reads since it was last taken (Cluster._fit_ttft)
         self._ttft_ref: TtftReference | None = None
         self._ttft_reads = 0
-        # [t, engine, group, prefill_ms, out_tokens, key bytes]
+        # [t, engine, group, prefill_ms, out_tokens]
         self._load: deque[list] = deque()
         # what the window holds, summed over the engines (moves change only whose it is)
         self._window_prefill_ms = 0.0
         self._window_out_tokens = 0
-        # the engine the last routed request went to, when there it missed part of a prefix
-        # its group reuses there (else None)
-        self.reuse_missed_on: str | None = None
         self._ttfts: dict[int, deque] = {}  # group -> (t, ttft_ms)
         self._ttft_order: deque[tuple[float, int]] = deque()
         self._hits: deque[tuple[float, str, int, int]] = deque()  # (t, engine, matched, key len)

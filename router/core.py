@@ -90,7 +90,6 @@ class Router:
             now=now,
             confirmed=match.per_engine,
         )
-        cl.reuse_missed_on = None  # (set by record_route for this request)
         decision = self.policy.choose(ctx, view, now)
         self._count(decision)
         chosen = decision.engine_id

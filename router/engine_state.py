@@ -105,11 +105,9 @@ class _GroupWork:
     __slots__ = (
         "entries",
         "key_bytes",
-        "key_sum",
         "out_tokens",
         "prefill_ms",
         "requests",
-        "reused_bytes",
     )
 
     def __init__(self) -> None:
@@ -117,15 +115,7 @@ class _GroupWork:
         self.out_tokens = 0
         self.requests = 0
         self.key_bytes = 0  # its longest key routed: the cache it takes where it lives
-        self.key_sum = 0  # its requests' key bytes
-        self.reused_bytes = 0  # the most of one of its keys its block events showed cached there
         self.entries: deque[list] = deque()  # its entries of ClusterState._load, oldest first
-
-    def written(self) -> int:
-        """Key bytes its requests wrote there that nothing reuses (each key past the part the
-        group shares there; all of a key no request found cached): what pushes the prefixes
-        reused there down the engine's LRU."""
-        return max(self.key_sum - self.requests * self.reused_bytes, 0)
 
     def load_ms(self, tpot_ms: float) -> float:
         """Its share of Preble's windowed L on an engine decoding at ``tpot_ms``."""

@@ -112,12 +112,6 @@ class View:
             requests += e.window_requests
         return load / n, requests / n
 
-    def reuse_missed_on(self) -> str | None:
-        """The engine the request just routed went to, if it found less of its prefix group's
-        shared part cached there than an earlier request of the group did (that engine
-        evicted a prefix it reuses); else None."""
-        return self._cluster.reuse_missed_on
-
     def profiles(self) -> tuple[CostProfile, ...]:
         """The distinct cost profiles among the candidates (or a superset)."""
         return self._cluster.eligible_profiles(self._model, self._now)
@@ -441,61 +435,39 @@ class View:
         if not found:
             return
         top_work = eng.groups[best]
-        yield GroupLoad(best, best_load, top_work.requests, top_work.key_bytes, top_work.written())
+        yield GroupLoad(best, best_load, top_work.requests, top_work.key_bytes)
         # the rest, if read: two C sorts of indices (ints, then floats: CPython compares them
         # without generic rich comparisons), group id ascending, then stably by load descending
         groups: list[int] = []
         loads: list[float] = []
         requests: list[int] = []
         sizes: list[int] = []
-        writes: list[int] = []
         for g, w in eng.groups.items():
             if g != best and listed(g, w):
                 groups.append(g)
                 loads.append(w.load_ms(tpot))
                 requests.append(w.requests)
                 sizes.append(w.key_bytes)
-                writes.append(w.written())
         order = sorted(range(len(groups)), key=groups.__getitem__)
         order.sort(key=loads.__getitem__, reverse=True)
         for i in order:
-            yield GroupLoad(groups[i], loads[i], requests[i], sizes[i], writes[i])
+            yield GroupLoad(groups[i], loads[i], requests[i], sizes[i])
 
-    def cache_room(
-        self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
-    ) -> int:
-        """Key bytes of ``engine_id``'s KV cache that a prefix reused ``reuses`` times in the
-        window (its requests writing ``writes`` bytes that nothing reuses) can take without
-        pushing a reused prefix out of the engine's LRU between two of its uses: its capacity,
-        less the longest key of each prefix group with at least ``min_requests`` requests
-        there in the window (groups rebalanced elsewhere left out), less what the engine
-        writes that nothing reuses (one-off keys, the tails past a group's shared part: each
-        group's ``written``, and ``writes``) in the time between two uses of the least reused
-        of those prefixes and this one, the window's writes over its uses (every prefix more
-        reused is touched in that time, so it is above it in the LRU). ``reuses`` None: the
-        writes are not counted (the capacity less the reused prefixes' keys)."""
+    def cache_room(self, engine_id: str, min_requests: int) -> int:
+        """Key bytes of ``engine_id``'s KV cache not needed by the prefixes reused there: its
+        capacity, less the longest key of each prefix group with at least ``min_requests``
+        requests there in the window (groups rebalanced elsewhere left out: their requests no
+        longer come here)."""
         cl = self._cluster
         eng = cl.engines.get(engine_id)
         if eng is None:
             return 0
         overrides = cl._overrides
         hot = 0
-        fewest = reuses or 0
-        written = writes
         for g, w in eng.groups.items():
-            # (a group rebalanced elsewhere is history: its requests no longer come here)
-            if not _lives_here(overrides, engine_id, g, w, 1):
-                continue
-            if reuses is not None:
-                written += w.written()
-            if w.requests >= min_requests:
+            if _lives_here(overrides, engine_id, g, w, min_requests):
                 hot += w.key_bytes
-                if w.requests < fewest or not fewest:
-                    fewest = w.requests
-        room = cl.capacity_bytes(eng) - hot
-        if reuses is not None and fewest > 0:
-            room -= written // fewest
-        return room
+        return cl.capacity_bytes(eng) - hot
 
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         dq = self._cluster._ttfts.get(group)

@@ -229,21 +229,12 @@ class GroupLoad:
     load_ms: float
     requests: int
     key_bytes: int = 0
-    written: int = 0  # key bytes its requests wrote that nothing reuses (_GroupWork.written)
 
-    def __init__(
-        self,
-        group: int,
-        load_ms: float,
-        requests: int,
-        key_bytes: int = 0,
-        written: int = 0,
-    ) -> None:
+    def __init__(self, group: int, load_ms: float, requests: int, key_bytes: int = 0) -> None:
         self.group = group
         self.load_ms = load_ms
         self.requests = requests
         self.key_bytes = key_bytes
-        self.written = written
 
 
 @dataclass(slots=True)  # not frozen, __init__ written out: see router.api's docstring
@@ -314,11 +305,6 @@ class ClusterView(Protocol):
         """The candidates' mean windowed load (``window_ms`` with every output token priced at
         a TPOT of ``clock_ms``: one clock, as measured TPOTs differ by contention) and their
         mean windowed requests."""
-        ...
-
-    def reuse_missed_on(self) -> str | None:
-        """The engine the request just routed went to, if it found less of its prefix group's
-        shared part cached there than an earlier request of the group did; else None."""
         ...
 
     def profiles(self) -> Sequence[CostProfile]:
@@ -402,14 +388,10 @@ class ClusterView(Protocol):
         few samples)."""
         ...
 
-    def cache_room(
-        self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
-    ) -> int:
+    def cache_room(self, engine_id: str, min_requests: int) -> int:
         """Key bytes of the engine's KV cache not needed by its prefix groups with at least
-        ``min_requests`` requests in the window (its capacity minus their longest keys) nor,
-        given ``reuses``, by what the engine writes that nothing reuses between two uses of
-        the least reused of them and a prefix reused ``reuses`` times, whose requests write
-        ``writes`` such bytes (router.view.View.cache_room)."""
+        ``min_requests`` requests in the window: its capacity minus their longest keys
+        (router.view.View.cache_room)."""
         ...
 
 

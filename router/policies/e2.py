@@ -97,8 +97,7 @@ gets a second copy exactly then).
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
 ``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
 ``prefer_feasible``, ``miss_penalty=0``, ``pd_balance``, ``rebalance=false``,
-``follow_spare=false``, ``significant_warmup``, ``replicate_to_spare=false``,
-``room_beside_all_reused=false``, ``room_for_writes``, ``relieve_thrash``, ``by_lifetime``,
+``follow_spare=false``, ``replicate_to_spare=false``, ``room_beside_all_reused=false``,
 ``balance_trigger=0``, ``make_way=false``, ``moves_by_fit=false``.
 """
 
@@ -157,10 +156,6 @@ class E2Config:
     # for its speed first
     # (off: the least outstanding work first)
     spread_by_traffic: bool = True
-    # ... by that traffic over the engine's room: the longest a new prefix would stay there
-    # before an LRU reaches it (off: traffic alone; on, real vLLM with 64-block caches +0.003
-    # of hit rate, but the matrix failed 6 cells against 3: docs/router.md)
-    by_lifetime: bool = False
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
     # an engine where the request cannot meet its TTFT SLO (even with nothing overtaking it) is
     # charged this x the SLO in ms: a request lost weighs about one SLO of delay to others
@@ -186,16 +181,6 @@ class E2Config:
     # reused at least as often as it, the others making way; but their requests keep coming
     # there, and the cache thrashes; docs/router.md)
     room_beside_all_reused: bool = True
-    # ... and beside what the engine writes that nothing reuses (one-off keys, the tails of
-    # shared prefixes) between two uses of the least reused prefix there: an LRU keeps a
-    # prefix only if that fits beside the prefixes reused more (off: the keys alone; on, the
-    # vLLM replica gained 0.0017 of hit rate but kept an engine over 45% of the requests in 14
-    # of 200 runs against 5, and the real engines gained nothing: docs/router.md)
-    room_for_writes: bool = False
-    # when a request misses part of a prefix reused on its engine, and that engine's reused
-    # prefixes and what it writes besides do not fit its KV, move the least reused of them to
-    # an engine with room for it (off: moves for load alone; measured with room_for_writes)
-    relieve_thrash: bool = False
     rebalance_ratio: float = 1.5
     # ... and only while the busiest engine takes at least this x the fleet's mean, by
     # windowed load or by requests (the issue's load bound; 0: Preble's ratio alone)
@@ -211,10 +196,6 @@ class E2Config:
     # two engines; docs/router.md)
     moves_by_fit: bool = True
     warmup_requests: int = 50
-    # before the warm-up, rebalance an imbalance that is no chance (``significant``; off: on
-    # real vLLM it cut the runs with an engine over 45% of the requests from 4 in 11 to 3 in
-    # 23, for 0.009 of hit rate; docs/router.md)
-    significant_warmup: bool = False
     min_group_requests: int = 2
     replicate_ttft_ratio: float = 2.0
     max_candidates: int = 4  # cheapest engines listed in a decision (plus the top holders)
@@ -240,9 +221,6 @@ class E2Config:
 
 SAME_SPEED = 1.25  # rebalancing moves work only to an engine at most this much slower
 REBALANCE_TARGETS = 4  # rebalancing tries the least busy engines, at most this many
-# before the warm-up ends, rebalancing acts only on an imbalance of at least this many standard
-# deviations of a fair split of the two engines' requests
-SIGNIFICANT_SD = 2.0
 P_CACHE_MAX = 4096  # memoised prefill costs kept across decisions (then it starts over)
 BOUND_SLACK = 1.0 - 1e-9  # a cost's lower bound, rounded down (it is computed differently)
 
@@ -342,9 +320,7 @@ class E2(PolicyBase):
                 finalists, reason = heavy, "pd_balance"
         most = max(s.matched for s in finalists)
         holders = [s for s in finalists if s.matched == most]
-        tie_break = (
-            _Traffic(now, ctx.key_len, cfg.by_lifetime) if cfg.spread_by_traffic else _Balance(now)
-        )
+        tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
             reason = "exploit"
@@ -645,18 +621,10 @@ class E2(PolicyBase):
         cfg = self.config
         if not cfg.rebalance or len(view.engines) < 2:
             return ()
-        if cfg.relieve_thrash:
-            thrashing = view.reuse_missed_on()
-            if thrashing is not None:
-                relief = self._relieve(view, thrashing)
-                if relief:
-                    return relief
         # warm-up: ``warmup_requests`` per engine on average (the fewest routed to any one
         # engine, as this read before, never reaches it on the engine a pinned layout starves:
-        # the very imbalance rebalancing is for); before it, only a significant imbalance
-        # (``significant_warmup``, below)
-        warm = view.routed_total() >= cfg.warmup_requests * len(view.engines)
-        if not (warm or cfg.significant_warmup):
+        # the very imbalance rebalancing is for)
+        if view.routed_total() < cfg.warmup_requests * len(view.engines):
             return ()
         busiest = _busiest_on_one_clock(view.most_loaded(REBALANCE_TARGETS, window=True))
         if busiest is None:
@@ -682,8 +650,6 @@ class E2(PolicyBase):
             for tried, least in enumerate(view.by_load(window=True)):
                 if tried >= REBALANCE_TARGETS or least.engine_id == busiest.engine_id:
                     break
-                if not warm and not significant(busiest.window_requests, least.window_requests):
-                    continue
                 if least.prefill_scale > SAME_SPEED * busiest.prefill_scale:
                     # a slower engine is less busy on purpose (its prefill costs more; the cost
                     # above sends it less): moving work there was measured -2.8 points in mixed
@@ -694,42 +660,6 @@ class E2(PolicyBase):
                 moves = self._moves(view, busiest, least, now, strict)
                 if moves:
                     return moves
-        return ()
-
-    def _relieve(self, view: ClusterView, engine_id: str) -> tuple[Move, ...]:
-        """``relieve_thrash``: a move of the least reused prefix group that fits elsewhere off
-        ``engine_id``, where a request just missed part of a prefix reused there, if its
-        reused prefixes and what it writes that nothing reuses do not fit its KV
-        (:meth:`View.cache_room <router.view.View.cache_room>` below 0: its LRU drops the least
-        reused between two of its uses, whose every request then prefills it again and drops
-        the next), to the least busy engine (of the ``REBALANCE_TARGETS`` least busy) that is
-        not the busiest, not slower and has room for it. Preble moves work only off the
-        busiest engine; the engine that thrashes is often the quietest, holding the cold tail
-        of the prefixes (on three vLLM engines of 64 KV blocks, six of twelve documents, its
-        own hit rate 0.77)."""
-        cfg = self.config
-        reused = cfg.min_group_requests
-        if view.cache_room(engine_id, reused, 1 << 30) >= 0:
-            return ()  # (the miss was not for lack of room)
-        src = view.engine(engine_id)
-        top = _busiest_on_one_clock(view.most_loaded(REBALANCE_TARGETS, window=True))
-        if src is None or top is None:
-            return ()
-        targets = [
-            ev
-            for ev in islice(view.by_load(window=True), REBALANCE_TARGETS)
-            if ev.engine_id not in (engine_id, top.engine_id)
-            and ev.prefill_scale <= SAME_SPEED * src.prefill_scale
-        ]
-        # the least reused first (the LRU drops it first); one reused too rarely to stay in
-        # any cache there is no use moving, so the next
-        groups = [g for g in view.groups_on(engine_id, reused) if g.requests >= reused]
-        groups.sort(key=lambda g: (g.requests, g.load_ms))
-        for g in groups:
-            for ev in targets:
-                room = view.cache_room(ev.engine_id, reused, g.requests, g.written)
-                if g.key_bytes <= room:
-                    return (Move(g.group, engine_id, ev.engine_id),)
         return ()
 
     def _moves(
@@ -813,8 +743,7 @@ class E2(PolicyBase):
         reused = cfg.min_group_requests
         if not (cfg.room_beside_all_reused and strict):
             reused = max(g.requests, reused)
-        reuses = g.requests if cfg.room_for_writes else None  # (None: keys alone)
-        return g.key_bytes <= view.cache_room(least.engine_id, reused, reuses, g.written)
+        return g.key_bytes <= view.cache_room(least.engine_id, reused)
 
 
 def _busier_on_one_clock(busiest: EngineView, least: EngineView, ratio: float) -> bool:
@@ -860,16 +789,6 @@ def _busiest_on_one_clock(tops: Sequence[EngineView]) -> EngineView | None:
     return best
 
 
-def significant(busiest: int, least: int) -> bool:
-    """Whether ``busiest`` requests against ``least`` (in the same window) is more than chance:
-    split fairly between the two engines, the difference has a standard deviation of
-    ``sqrt(busiest + least)``; a difference of ``SIGNIFICANT_SD`` of them is an imbalance the
-    layout made. A strong imbalance shows after a few dozen requests, a slight one only after
-    many (at 1.5x, about 40 on the least busy engine: Preble's warm-up of 50 an engine)."""
-    n = busiest + least
-    return n > 0 and busiest - least >= SIGNIFICANT_SD * math.sqrt(n)
-
-
 class _Balance:
     """The tie-break without ``spread_by_traffic``: the least outstanding work, then the
     fewest in flight, then the lowest recent request rate."""
@@ -903,22 +822,17 @@ class _Traffic:
     looked empty and overflowed it (on the same vLLM engines: 2 of 13 cold runs at 0.815 and
     0.828; with it, 13 of 13 at 0.847 to 0.857)."""
 
-    __slots__ = ("by_lifetime", "key_len", "now")
+    __slots__ = ("key_len", "now")
 
-    def __init__(self, now: float, key_len: int, by_lifetime: bool = False) -> None:
+    def __init__(self, now: float, key_len: int) -> None:
         self.now = now
         self.key_len = key_len
-        self.by_lifetime = by_lifetime
 
     def __call__(self, s: _Scored) -> tuple[bool, float, float, int]:
         ev = s.ev
         if s.overflow(self.key_len) + ev.unannounced_bytes > 0:
             return (True, 0.0, ev.load_ms, ev.inflight)
-        traffic = recent_rate(ev, self.now) * s.est.own_ms
-        if self.by_lifetime:
-            traffic /= max(ev.free_bytes - ev.unannounced_bytes, 1)
-            return (False, traffic, -ev.free_bytes, ev.inflight)
-        return (False, traffic, ev.load_ms, ev.inflight)
+        return (False, recent_rate(ev, self.now) * s.est.own_ms, ev.load_ms, ev.inflight)
 
 
 def _first_two(b: tuple[float, int, EngineView]) -> tuple[float, int]:

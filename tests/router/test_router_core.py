@@ -420,36 +420,25 @@ def test_capacity_is_read_in_the_key_bytes_the_engine_s_blocks_hold() -> None:
     assert cl.engine_view(eng).free_bytes == 1_000 * prof.block_bytes
 
 
-def test_cache_room_counts_what_the_engine_writes_between_uses_of_its_least_reused() -> None:
-    """An LRU keeps a prefix only if what the engine writes between two of its uses fits
-    beside the prefixes reused more: the room a prefix group can take is the capacity less
-    the reused groups' keys less the window's writes that nothing reuses (the tails past each
-    group's shared part, one-off keys) over the uses of the least reused. And a request that
-    finds less of its group's shared prefix cached than an earlier one did names its engine
-    (a prefix it reuses was evicted there)."""
+def test_cache_room_is_the_capacity_beside_the_prefixes_reused_there() -> None:
+    """The room a prefix group can take on an engine without evicting a prefix reused there:
+    the capacity less the longest key of each group with enough requests there in the window
+    (a one-off key is not reused, so it does not count)."""
     f = Fleet(n=1)
     cl = f.router.cluster
     f.heartbeat("e0", 0.0, kv_blocks_total=1_000)
     doc = bytes(range(256)) * 16  # 4 KiB, 64 blocks
-    hashes = f.cache("e0", doc, 0.1)
+    f.cache("e0", doc, 0.1)
     for i in range(4):  # four requests of the document, each with a unique 640-byte tail
         f.route(f"d{i}", doc + bytes([i]) * 640, 1.0 + i)
-        assert cl.reuse_missed_on is None
-    f.route("one-off", b"z" * 3000, 5.0)  # its own group, used once: all of it written
+    f.route("one-off", b"z" * 3000, 5.0)  # its own group, used once
     view = View(cl, cl.candidates(RouteRequest("x", "m", b"x", 1, 1), 5.0), {}, f.router.rng,
                 model="m", now=5.0)  # fmt: skip
     capacity = 1_000 * cl.engines["e0"].profile.block_bytes
     key = len(doc) + 640
-    assert view.cache_room("e0", 2) == capacity - key  # the reused document's key
-    # written: 4 tails of 640 (the group shares the document) and the one-off's 3000 bytes;
-    # between two uses of the document (4 in the window), a quarter of that
-    written = 4 * 640 + 3000
-    assert view.cache_room("e0", 2, 1 << 30) == capacity - key - written // 4
-    # a newcomer reused twice, writing 100 more, is the least reused: the writes over 2
-    assert view.cache_room("e0", 2, 2, 100) == capacity - key - (written + 100) // 2
-    f.send("e0", BlockRemoved(tuple(hashes[32:])), 6.0)  # evicted: half the document
-    f.route("d4", doc + b"!" * 640, 7.0)
-    assert cl.reuse_missed_on == "e0"
+    assert view.cache_room("e0", 2) == capacity - key  # the reused document's longest key
+    assert view.cache_room("e0", 1) == capacity - key - 3000  # ... and the one-off's
+    assert view.cache_room("e0", 5) == capacity  # nothing reused five times
 
 
 def test_e2_explore_follows_the_queue_not_window_history() -> None:

@@ -92,7 +92,6 @@ class FakeView:
     queued_kv: dict[str, float] = field(default_factory=dict)  # kv_releases' queued ahead
     sooner: float = 0.0  # share_due_sooner's answer, whatever the SLO
     rooms: dict[str, int] = field(default_factory=dict)  # cache_room's answer (default: ample)
-    missed_on: str | None = None  # reuse_missed_on's answer
     asked: list[float] = field(default_factory=list)  # the SLOs share_due_sooner was asked
     # routed_ahead's answer: key bytes a request in flight there computes first (default none)
     ahead: dict[str, int] = field(default_factory=dict)
@@ -129,9 +128,6 @@ class FakeView:
         n = len(self.engines)
         load = sum(e.window_on_clock(clock_ms) for e in self.engines)
         return load / n, sum(e.window_requests for e in self.engines) / n
-
-    def reuse_missed_on(self) -> str | None:
-        return self.missed_on
 
     def profiles(self) -> list[CostProfile]:
         return list({ev.profile.name: ev.profile for ev in self.engines}.values())
@@ -181,9 +177,7 @@ class FakeView:
     def ttft_halves(self, group: int, now: float) -> tuple[float, float]:
         return self.halves.get(group, (0.0, 0.0))
 
-    def cache_room(
-        self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
-    ) -> int:
+    def cache_room(self, engine_id: str, min_requests: int) -> int:
         return self.rooms.get(engine_id, 1 << 40)
 
 
@@ -384,25 +378,6 @@ def test_e2_idle_free_leaves_an_idle_engine_s_gpu_time_uncharged() -> None:
     assert idle_free.choose(ctx(), busy_b, 0.0).engine_id == "a"
     full_b = FakeView([ev("a", hb=_hb(queued=queued)), ev("b", free=0)], matched={"a": 4096})
     assert idle_free.choose(ctx(), full_b, 0.0).engine_id == "a"
-
-
-def test_e2_by_lifetime_places_a_new_prefix_where_it_would_stay_longest() -> None:
-    """With ``by_lifetime`` (off by default) the tie break among equally cheap engines with
-    room divides each one's traffic by its room: how long a new prefix would stay before an
-    LRU reaches it. The quietest engine, its cache nearly full of the cold tail, no longer
-    takes every new prefix (on three vLLM engines of 64 blocks it took six of twelve
-    documents and thrashed)."""
-    engines = [
-        replace(ev("a", free=1_000), rate_per_s=1.0),  # the quietest, nearly full
-        replace(ev("b", free=100_000), rate_per_s=2.0),
-    ]
-    short = ctx(400)
-    assert make_policy("e2").choose(short, FakeView(engines), 0.0).engine_id == "a"
-    lifetime = make_policy("e2", {"by_lifetime": True})
-    assert lifetime.choose(short, FakeView(engines), 0.0).engine_id == "b"
-    # equal room: the least traffic, as by default
-    even = [replace(e, free_bytes=100_000) for e in engines]
-    assert lifetime.choose(short, FakeView(even), 0.0).engine_id == "a"
 
 
 def test_e2_ties_go_where_the_least_traffic_goes() -> None:
@@ -834,32 +809,6 @@ def test_e2_rebalancing_waits_for_warmup_of_50_requests_an_engine_on_average() -
     assert make_policy("e2", REBALANCE).rebalance(ctx(), view, 0.0)
 
 
-def test_e2_rebalances_before_the_warm_up_when_the_imbalance_is_significant() -> None:
-    """Preble's warm-up (50 requests an engine) let a cold start's layout stand for half of a
-    300-request run on three vLLM engines (one engine ended with 46% of them): with
-    ``significant_warmup`` an imbalance of two standard deviations of a fair split of the two
-    engines' requests is the layout's, not chance, and is rebalanced at once; a smaller one
-    waits for the warm-up. (Off by default: on real vLLM the earlier moves cost hit rate.)"""
-
-    def view(counts: dict[str, int]) -> FakeView:
-        v = _rebalance_view(300.0, 100.0)
-        v.engines[:] = [
-            replace(e, routed_total=counts[e.engine_id], window_requests=counts[e.engine_id])
-            for e in v.engines
-        ]
-        return v
-
-    e2 = make_policy("e2", REBALANCE | {"significant_warmup": True})
-    # 50 routed on 3 engines, far from warm; 26 against 11: 15 >= 2 x sqrt(37)
-    clear = view({"busy": 26, "idle": 11, "mid": 13})
-    moves = e2.rebalance(ctx(), clear, 0.0)
-    assert [(m.group, m.src, m.dst) for m in moves][:1] == [(11, "busy", "idle")]
-    # the default waits for Preble's warm-up whatever the counts
-    assert make_policy("e2", REBALANCE).rebalance(ctx(), clear, 0.0) == ()
-    # 20 against 14 (and 16): within two standard deviations, so it waits
-    assert e2.rebalance(ctx(), view({"busy": 20, "idle": 14, "mid": 16}), 0.0) == ()
-
-
 def test_e2_moves_only_a_group_that_fits_in_the_least_busy_engine_s_cache() -> None:
     # group 11 (its key 3 KiB) does not fit in the idle engine's 2 KiB of room beside the
     # prefixes reused there; group 12 (1 KiB) does, and is moved instead
@@ -879,9 +828,7 @@ def test_e2_moves_a_group_only_beside_every_prefix_reused_there() -> None:
     cold tail thrashed. So the room a move needs is beside every prefix reused there."""
 
     class Reused(FakeView):
-        def cache_room(
-            self, engine_id: str, min_requests: int, reuses: int | None = None, writes: int = 0
-        ) -> int:
+        def cache_room(self, engine_id: str, min_requests: int) -> int:
             # the idle engine: 4 KiB, three prefixes of 1 KiB reused 3 times each
             if engine_id != "idle":
                 return 1 << 40
@@ -907,35 +854,6 @@ def test_e2_moves_a_group_only_beside_every_prefix_reused_there() -> None:
     roomy = view()
     roomy.engines.append(replace(ev("roomy", load=150.0), position=2))  # 2x less busy, ample
     assert [(m.group, m.dst) for m in e2.rebalance(ctx(), roomy, 0.0)] == [(11, "roomy")]
-
-
-def test_e2_relieves_a_thrashing_cache_by_moving_its_least_reused_prefix() -> None:
-    """An engine whose reused prefixes and what it writes besides do not fit its KV (its
-    room below 0), where a request just missed part of a prefix reused there, moves the least
-    reused of them that fits elsewhere to the least busy engine with room: not to the
-    busiest, and nothing when the cache fits (the miss had another cause) or no request
-    missed. Preble moves only off the busiest engine; the engine that thrashes is often the
-    quietest, holding the cold tail. (Off by default: measured no gain on real vLLM.)"""
-
-    def view(**kw) -> FakeView:
-        engines = [ev("cold", load=100.0), ev("mid", load=150.0), ev("hot", load=200.0)]
-        groups = {"cold": [GroupLoad(31, 60.0, 9, 600), GroupLoad(32, 20.0, 3, 600),
-                           GroupLoad(33, 40.0, 5, 600)]}  # fmt: skip
-        return FakeView(engines, groups=groups, **kw)
-
-    # (off by default: docs/router.md; before the warm-up: 300 routed on 3 engines)
-    e2 = make_policy("e2", REBALANCE | {"relieve_thrash": True})
-    thrashing = view(missed_on="cold", rooms={"cold": -500})
-    moves = e2.rebalance(ctx(), thrashing, 0.0)
-    assert [(m.group, m.src, m.dst) for m in moves] == [(32, "cold", "mid")]
-    # no group fits on the only target (the busiest is never one)
-    too_small = view(missed_on="cold", rooms={"cold": -500, "mid": 500})
-    assert e2.rebalance(ctx(), too_small, 0.0) == ()
-    # no request missed a reused prefix, or the cache fits: no move
-    assert e2.rebalance(ctx(), view(rooms={"cold": -500}), 0.0) == ()
-    assert e2.rebalance(ctx(), view(missed_on="cold", rooms={"cold": 10}), 0.0) == ()
-    off = make_policy("e2", REBALANCE)
-    assert off.rebalance(ctx(), view(missed_on="cold", rooms={"cold": -500}), 0.0) == ()
 
 
 def test_e2_finds_the_busiest_engine_with_output_tokens_priced_on_one_clock() -> None:
