@@ -358,7 +358,86 @@ def simulate(args: argparse.Namespace, routers: list[str]) -> dict:
             "ttft_p99_ms_mean": round(statistics.mean(r["ttft_p99_ms"] for r in runs), 2),
         }
         print(f"{router:<14} {doc['summary'][router]}", flush=True)
+    doc["verdict"] = verdict(doc["runs"], paired=True)
+    print(format_verdict(doc["verdict"], paired=True))
     return doc
+
+
+MAX_SHARE = 0.45  # issue 17: no engine above 45% of the requests
+MAX_SPREAD = 0.02  # ... and the subject's hit rate within 0.02 over its cold runs
+
+
+def verdict(runs: dict[str, list[dict]], paired: bool) -> dict | None:
+    """Issue 17's real-vLLM targets for the first router (the subject, e2 by default) against
+    the others: its mean hit rate at least the best other's, its runs' hit rates within
+    ``MAX_SPREAD`` of each other, and no engine over ``MAX_SHARE`` of the requests in any run;
+    and the difference to the best other with its standard error, so that a difference within
+    the runs' noise reads as such. ``paired``: run k of every router served the same workload
+    (the simulator's seeds), so the difference is taken run by run; else (cold runs on live
+    engines, whose timing differs) as two independent samples. None with one router."""
+    subject, *others = runs
+    rates = {
+        r: [x["hit_rate"] for x in rs if x.get("hit_rate") is not None] for r, rs in runs.items()
+    }
+    mine = rates[subject]
+    if not others or len(mine) < 1:
+        return None
+    best = max(others, key=lambda r: statistics.mean(rates[r]) if rates[r] else -1.0)
+    theirs = rates[best]
+    if not theirs:
+        return None
+    diff = statistics.mean(mine) - statistics.mean(theirs)
+    if paired and len(mine) == len(theirs) and len(mine) > 1:
+        se = statistics.stdev(a - b for a, b in zip(mine, theirs, strict=True)) / len(mine) ** 0.5
+    elif len(mine) > 1 and len(theirs) > 1:
+        se = (
+            statistics.variance(mine) / len(mine) + statistics.variance(theirs) / len(theirs)
+        ) ** 0.5
+    else:
+        se = None
+    over = sum(1 for x in runs[subject] if x["max_engine_share"] > MAX_SHARE)
+    spread = max(mine) - min(mine)
+    return {
+        "subject": subject,
+        "best_other": best,
+        "hit_rate_diff": round(diff, 4),
+        "hit_rate_diff_se": round(se, 4) if se is not None else None,
+        "at_least_best": diff >= 0.0,
+        "spread": round(spread, 4),
+        "spread_ok": spread <= MAX_SPREAD,
+        "runs_over_45_percent": over,
+        "balanced": over == 0,
+    }
+
+
+def format_verdict(v: dict | None, paired: bool) -> str:
+    """The verdict as lines (the spread target is about repeated cold runs of one workload:
+    over the simulator's many workloads it is printed, not judged)."""
+    if v is None:
+        return "verdict: needs a second router to compare with"
+    se = f" +- {2 * v['hit_rate_diff_se']:.4f} (2 SE)" if v["hit_rate_diff_se"] is not None else ""
+    noise = ""
+    if v["hit_rate_diff_se"] is not None:
+        noise = (
+            " (within the noise)" if abs(v["hit_rate_diff"]) <= 2 * v["hit_rate_diff_se"] else ""
+        )
+    lines = [
+        f"verdict for {v['subject']} against {v['best_other']}, the best other:",
+        f"  hit rate at least the best: {'PASS' if v['at_least_best'] else 'FAIL'} "
+        f"({v['hit_rate_diff']:+.4f}{se}{noise})",
+    ]
+    if paired:
+        lines.append(f"  hit rate spread over the workloads: {v['spread']:.4f} (not judged)")
+    else:
+        lines.append(
+            f"  hit rate spread over the runs <= {MAX_SPREAD}: "
+            f"{'PASS' if v['spread_ok'] else 'FAIL'} ({v['spread']:.4f})"
+        )
+    lines.append(
+        f"  no engine over {MAX_SHARE:.0%} of the requests: {'PASS' if v['balanced'] else 'FAIL'} "
+        f"({v['runs_over_45_percent']} runs over)"
+    )
+    return "\n".join(lines)
 
 
 def run_once(router_url: str, prompts: list[str], engines: list[Engine], args) -> dict:
@@ -610,10 +689,12 @@ def main(argv: list[str] | None = None) -> int:
                 if (v := [r[f"{name}_ms"][q] for r in runs if r.get(f"{name}_ms")])
             },
         }
+    doc["verdict"] = verdict(doc["runs"], paired=False)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2))
     for router, s in doc["summary"].items():
         print(f"{router:<14} {s}")
+    print(format_verdict(doc["verdict"], paired=False))
     print(f"wrote {args.out}")
     return 0
 

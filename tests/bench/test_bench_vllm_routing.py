@@ -22,6 +22,7 @@ from bench.bench_vllm_routing import (
     replica_workload,
     router_view,
     run_once,
+    verdict,
 )
 from bench.sim.runner import SimConfig, run_one
 from kvgate.cost_model import load_profile
@@ -72,6 +73,36 @@ def test_simulate_runs_each_router_over_the_seeds_and_saves_the_figures(tmp_path
     rr, e2 = doc["summary"]["round_robin"], doc["summary"]["e2"]
     assert rr["max_engine_share_max"] == pytest.approx(40 / 120, abs=1e-3)  # exactly even
     assert e2["hit_rate_mean"] > rr["hit_rate_mean"] + 0.1  # e2 keeps documents together
+    v = doc["verdict"]  # issue 17's targets, e2 (the first router) against the best other
+    assert v["subject"] == "e2" and v["best_other"] == "round_robin"
+    assert v["at_least_best"] and v["hit_rate_diff"] > 0.1
+
+
+def _runs(*rows: tuple[float, float]) -> list[dict]:
+    return [{"hit_rate": h, "max_engine_share": s} for h, s in rows]
+
+
+def test_the_verdict_judges_the_first_router_against_the_best_other():
+    runs = {
+        "e2": _runs((0.850, 0.40), (0.846, 0.44), (0.852, 0.46)),
+        "cache_aware": _runs((0.851, 0.50), (0.853, 0.55), (0.849, 0.40)),
+        "round_robin": _runs((0.60, 0.34), (0.61, 0.34), (0.59, 0.34)),
+    }
+    v = verdict(runs, paired=False)
+    assert v["best_other"] == "cache_aware"
+    assert v["hit_rate_diff"] == pytest.approx(-0.0017, abs=1e-4)
+    assert not v["at_least_best"]
+    assert v["spread"] == pytest.approx(0.006) and v["spread_ok"]
+    assert v["runs_over_45_percent"] == 1 and not v["balanced"]
+    # two independent samples: the standard errors of the two means combined
+    assert v["hit_rate_diff_se"] == pytest.approx(0.0021, abs=1e-4)
+    # paired (run k of each router on one workload): the SE of the per-run differences
+    paired = verdict(runs, paired=True)
+    assert paired["hit_rate_diff_se"] == pytest.approx(0.0029, abs=1e-4)
+    runs["e2"] = _runs((0.87, 0.40), (0.84, 0.44), (0.86, 0.45))
+    v = verdict(runs, paired=False)
+    assert v["at_least_best"] and not v["spread_ok"] and v["balanced"]
+    assert verdict({"e2": runs["e2"]}, paired=False) is None
 
 
 def test_simulate_sizes_the_engines_caches_as_kv_blocks_says(tmp_path: Path):
