@@ -387,8 +387,13 @@ def verdict(runs: dict[str, list[dict]], paired: bool) -> dict | None:
     if not theirs:
         return None
     diff = statistics.mean(mine) - statistics.mean(theirs)
-    if paired and len(mine) == len(theirs) and len(mine) > 1:
-        se = statistics.stdev(a - b for a, b in zip(mine, theirs, strict=True)) / len(mine) ** 0.5
+    pairs = [
+        a["hit_rate"] - b["hit_rate"]
+        for a, b in zip(runs[subject], runs[best], strict=False)
+        if a.get("hit_rate") is not None and b.get("hit_rate") is not None
+    ]
+    if paired and len(pairs) > 1:
+        se = statistics.stdev(pairs) / len(pairs) ** 0.5
     elif len(mine) > 1 and len(theirs) > 1:
         se = (
             statistics.variance(mine) / len(mine) + statistics.variance(theirs) / len(theirs)
