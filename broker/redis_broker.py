@@ -219,25 +219,30 @@ class RedisBroker:
     async def engines(self) -> list[str]:
         with _mapped_errors(self.stats):
             members = sorted(await self._redis.smembers(self._registry_key))
-            ids = [_engine_id(m) for m in members]
-            bad = [m for m, i in zip(members, ids, strict=True) if i is None]
+            ids: list[str] = []
+            bad: list[bytes] = []
+            for m in members:
+                engine_id = _engine_id(m)
+                if engine_id is None:
+                    bad.append(m)
+                else:
+                    ids.append(engine_id)
             if bad:
                 # not an engine's (no reporter writes it): dropped, or it would stop discovery
                 self.stats.bad_registry_members += len(bad)
                 log.warning("broker: dropping registry members that are no engine id: %r", bad[:3])
                 await self._redis.srem(self._registry_key, *bad)
-            members = [m for m, i in zip(members, ids, strict=True) if i is not None]
-            if not members:
+            if not ids:
                 return []
             async with self._redis.pipeline(transaction=False) as pipe:
-                for m in members:
-                    pipe.exists(self._key("alive", m.decode()))
+                for engine_id in ids:
+                    pipe.exists(self._key("alive", engine_id))
                 alive = await pipe.execute()
-            dead = [m for m, a in zip(members, alive, strict=True) if not a]
+            dead = [i for i, a in zip(ids, alive, strict=True) if not a]
             if dead:
                 # Bounded registry: an engine that comes back re-adds itself on its next refresh.
                 await self._redis.srem(self._registry_key, *dead)
-        return [m.decode() for m, a in zip(members, alive, strict=True) if a]
+        return [i for i, a in zip(ids, alive, strict=True) if a]
 
     async def put_snapshot(self, engine_id: str, data: bytes) -> None:
         with _mapped_errors(self.stats):

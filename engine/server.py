@@ -44,7 +44,6 @@ from engine.scheduler.state import SchedulerConfig
 from engine.text import tokens_text
 from kvgate.cost_model import DEFAULT_PROFILE, CostProfile, load_profile
 from kvgate.fast_metrics import FastCollector, FastHistogram
-from kvgate.kv_transfer import PARAM as KV_PARAM
 from kvgate.kv_transfer import (
     RemoteKv,
     prefill_answer_params,
@@ -53,6 +52,7 @@ from kvgate.kv_transfer import (
 )
 from kvgate.logs import request_id_var
 from kvgate.openai_request import (
+    KV_TRANSFER_PARAM,
     ChatTemplate,
     ParsedRequest,
     RequestError,
@@ -616,7 +616,7 @@ async def _unary(
                 server.lease_kv(rid, out.usage.prompt_tokens)
                 where = urlsplit(server.url)
                 blocks = -(-out.usage.prompt_tokens // server.profile.block_tokens)
-                answer[KV_PARAM] = prefill_answer_params(
+                answer[KV_TRANSFER_PARAM] = prefill_answer_params(
                     server.config.engine_id,
                     rid,
                     where.hostname or "127.0.0.1",

@@ -18,7 +18,6 @@ from typing import Any
 
 from kvgate.openai_request import KV_TRANSFER_PARAM, RequestError
 
-PARAM = KV_TRANSFER_PARAM
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -26,7 +25,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The client's request as the prefill engine gets it: one token, unary, and asking the
     engine to keep the prompt's KV for a remote decode."""
     out = dict(body)
-    out[PARAM] = {
+    out[KV_TRANSFER_PARAM] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -47,9 +46,9 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     engine's params (none: a connector that moves the KV by other means)."""
     out = dict(body)
     if params is None:
-        out.pop(PARAM, None)
+        out.pop(KV_TRANSFER_PARAM, None)
     else:
-        out[PARAM] = params
+        out[KV_TRANSFER_PARAM] = params
     return out
 
 
@@ -57,7 +56,7 @@ def returned_params(answer: object) -> dict[str, Any] | None:
     """The params a prefill engine's JSON answer hands on (None: it gave none)."""
     if not isinstance(answer, dict):
         return None
-    params = answer.get(PARAM)
+    params = answer.get(KV_TRANSFER_PARAM)
     return params if isinstance(params, dict) else None
 
 
@@ -76,11 +75,11 @@ class RemoteKv:
 def remote_prefill(body: dict[str, Any]) -> RemoteKv | None:
     """The decode side's params, checked as vLLM's connector reads them (None: the request
     is an ordinary one); a :class:`RequestError` (400) names what is wrong."""
-    params = body.get(PARAM)
+    params = body.get(KV_TRANSFER_PARAM)
     if params is None:
         return None
     if not isinstance(params, dict):
-        raise RequestError(f"{PARAM} must be an object", param=PARAM)
+        raise RequestError(f"{KV_TRANSFER_PARAM} must be an object", param=KV_TRANSFER_PARAM)
     if not params.get("do_remote_prefill"):
         return None
     missing = [
@@ -91,28 +90,40 @@ def remote_prefill(body: dict[str, Any]) -> RemoteKv | None:
     if missing or "remote_block_ids" not in params:
         missing += [] if "remote_block_ids" in params else ["remote_block_ids"]
         raise RequestError(
-            f"{PARAM} with do_remote_prefill needs {', '.join(missing)}", param=PARAM
+            f"{KV_TRANSFER_PARAM} with do_remote_prefill needs {', '.join(missing)}",
+            param=KV_TRANSFER_PARAM,
         )
     engine_id, request_id = params["remote_engine_id"], params["remote_request_id"]
     host, port = params["remote_host"], params["remote_port"]
     if not isinstance(engine_id, str) or not isinstance(request_id, str):
-        raise RequestError(f"{PARAM}: remote engine and request ids must be strings", param=PARAM)
+        raise RequestError(
+            f"{KV_TRANSFER_PARAM}: remote engine and request ids must be strings",
+            param=KV_TRANSFER_PARAM,
+        )
     if not isinstance(host, str) or host not in LOOPBACK:
-        raise RequestError(f"{PARAM}: remote_host must be a loopback address", param=PARAM)
+        raise RequestError(
+            f"{KV_TRANSFER_PARAM}: remote_host must be a loopback address", param=KV_TRANSFER_PARAM
+        )
     if type(port) is not int or not 0 < port < 65536:
-        raise RequestError(f"{PARAM}: remote_port must be a port number", param=PARAM)
+        raise RequestError(
+            f"{KV_TRANSFER_PARAM}: remote_port must be a port number", param=KV_TRANSFER_PARAM
+        )
     blocks = params["remote_block_ids"]
     if not isinstance(blocks, list):
-        raise RequestError(f"{PARAM}: remote_block_ids must be a list", param=PARAM)
+        raise RequestError(
+            f"{KV_TRANSFER_PARAM}: remote_block_ids must be a list", param=KV_TRANSFER_PARAM
+        )
     tokens = params.get("remote_num_tokens")
     if tokens is not None and (type(tokens) is not int or tokens < 0):
-        raise RequestError(f"{PARAM}: remote_num_tokens must be a count", param=PARAM)
+        raise RequestError(
+            f"{KV_TRANSFER_PARAM}: remote_num_tokens must be a count", param=KV_TRANSFER_PARAM
+        )
     return RemoteKv(engine_id, request_id, host, port, tuple(blocks), tokens)
 
 
 def wants_remote_decode(body: dict[str, Any]) -> bool:
     """A prefill request of the two-phase flow (``do_remote_decode: true``)."""
-    params = body.get(PARAM)
+    params = body.get(KV_TRANSFER_PARAM)
     return isinstance(params, dict) and bool(params.get("do_remote_decode"))
 
 

@@ -210,4 +210,4 @@ class Translator:
         if not gone:
             return []
         self.stats.blocks_removed += len(gone)
-        return list(removed_events(gone))
+        return removed_events(gone)
