@@ -14,12 +14,26 @@ session keys), so the simulator reads it as it reads a user's own trace:
   contexts growing to 60,000 tokens that must stay where they are cached.
 * ``bimodal``: nothing shared; 92% short prompts (median 300 tokens) and 8% huge ones (median
   24,000): balance under a heavy tail of sizes, with no hit to gain.
+
+Three more, written in the fiftieth session after the router's last change:
+
+* ``rag_chunks``: retrieval-augmented prompts: one of 4 system prompts, then 3-8 chunks of
+  256-512 tokens drawn from 3,000 (Zipf-popular, most relevant first), then the question:
+  beyond the system prompt a prefix is shared only as far as the retrieved chunks agree.
+* ``diurnal_docs``: questions on 150 documents of 1,000-8,000 tokens (Zipf-popular) whose rate
+  swings from 0.2x to 1.8x its mean and back every 60 seconds of the trace (a day compressed,
+  so that a matrix cell's few hundred requests span several): a fleet past its capacity at
+  each peak and idle in each trough, where windowed rates lag.
+* ``fanout``: jobs that send 2-16 requests at once (parallel samples, parallel tool calls) on
+  one fresh context of 1,000-6,000 tokens behind one of 20 instruction prompts: a new prefix
+  that many requests want before any engine has computed it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -118,11 +132,81 @@ def bimodal(rng: random.Random, rate: float, duration: float, huge: float = 0.08
     return lines
 
 
+def rag_chunks(rng: random.Random, rate: float, duration: float) -> list[dict]:
+    ids = _Ids()
+    systems = [ids.take(lognormal_int(rng, 800, 0.4, 400, 1500)) for _ in range(4)]
+    chunks = [ids.take(rng.randint(256, 512)) for _ in range(3000)]
+    pick_system, pick_chunk = Zipf(len(systems), 1.0), Zipf(len(chunks), 0.9)
+    lines = []
+    for i, t in enumerate(arrivals(rng, rate, duration)):
+        retrieved: list[int] = []  # in the order drawn: the popular (most relevant) first
+        k = rng.randint(3, 8)
+        while len(retrieved) < k:
+            chunk = pick_chunk.sample(rng)
+            if chunk not in retrieved:
+                retrieved.append(chunk)
+        prompt = list(systems[pick_system.sample(rng)])
+        for chunk in retrieved:
+            prompt += chunks[chunk]
+        prompt += ids.take(lognormal_int(rng, 60, 0.6, 10, 300))
+        lines.append(_line(i, t, prompt, lognormal_int(rng, 180, 0.6, 10, 1200)))
+    return lines
+
+
+def diurnal_docs(
+    rng: random.Random, rate: float, duration: float, period_s: float = 60.0, swing: float = 0.8
+) -> list[dict]:
+    ids = _Ids()
+    docs = [ids.take(lognormal_int(rng, 3000, 0.5, 1000, 8000)) for _ in range(150)]
+    pick = Zipf(len(docs), 1.0)
+    peak = rate * (1.0 + swing)
+    lines = []
+    for t in arrivals(rng, peak, duration):  # thinned to the rate's curve
+        if rng.random() * peak > rate * (1.0 + swing * math.sin(2 * math.pi * t / period_s)):
+            continue
+        question = ids.take(lognormal_int(rng, 50, 0.6, 10, 400))
+        lines.append(
+            _line(
+                len(lines),
+                t,
+                docs[pick.sample(rng)] + question,
+                lognormal_int(rng, 150, 0.6, 10, 1000),
+            )
+        )
+    return lines
+
+
+def fanout(rng: random.Random, rate: float, duration: float) -> list[dict]:
+    ids = _Ids()
+    instructions = [ids.take(lognormal_int(rng, 800, 0.3, 300, 2000)) for _ in range(20)]
+    pick = Zipf(len(instructions), 1.0)
+    widths, weights = (2, 4, 8, 16), (0.4, 0.3, 0.2, 0.1)
+    mean_width = sum(w * p for w, p in zip(widths, weights, strict=True))
+    lines: list[dict] = []
+    for t in arrivals(rng, rate / mean_width, duration):
+        context = instructions[pick.sample(rng)] + ids.take(
+            lognormal_int(rng, 2500, 0.5, 1000, 6000)
+        )
+        for _ in range(rng.choices(widths, weights)[0]):
+            suffix = ids.take(lognormal_int(rng, 30, 0.5, 5, 120))
+            sent = t + rng.uniform(0.0, 0.05)
+            lines.append(
+                _line(len(lines), sent, context + suffix, lognormal_int(rng, 250, 0.7, 10, 2000))
+            )
+    lines.sort(key=lambda line: line["timestamp"])
+    for i, line in enumerate(lines):
+        line["chat_id"] = i
+    return lines
+
+
 SHAPES: dict[str, Callable[[random.Random, float, float], list[dict]]] = {
     "reasoning": reasoning,
     "rotating_docs": rotating_docs,
     "agent_sessions": agent_sessions,
     "bimodal": bimodal,
+    "rag_chunks": rag_chunks,
+    "diurnal_docs": diurnal_docs,
+    "fanout": fanout,
 }
 
 

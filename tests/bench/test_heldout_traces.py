@@ -4,6 +4,7 @@ loader as 16-token blocks in seconds, with the sharing each shape claims."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,9 @@ def test_the_shapes_share_what_they_claim(tmp_path: Path) -> None:
     assert firsts["reasoning"] < 0.1  # 30 system prompts
     assert firsts["agent_sessions"] < 0.1  # 3 tool prompts
     assert firsts["rotating_docs"] < 0.5
+    assert firsts["rag_chunks"] < 0.01  # 4 system prompts
+    assert firsts["diurnal_docs"] < 0.5
+    assert firsts["fanout"] < 0.1  # 20 instruction prompts
     # an agent's turn resends its parent's context and appends to it
     lines = {line["chat_id"]: line for line in _lines(tmp_path / "agent_sessions.jsonl")}
     turns = [line for line in lines.values() if line["parent_chat_id"] >= 0]
@@ -67,3 +71,53 @@ def test_cli_writes_the_shapes_asked_and_refuses_unknown_ones(tmp_path: Path, ca
     with pytest.raises(SystemExit):
         main(["--out-dir", str(tmp_path), "--shapes", "nope"])
     assert "unknown shape" in capsys.readouterr().err
+
+
+def test_rag_prompts_share_the_system_prompt_and_only_some_chunks(tmp_path: Path) -> None:
+    write("rag_chunks", tmp_path / "r.jsonl", rate=4.0, duration=300.0, seed=2)
+    lines = _lines(tmp_path / "r.jsonl")
+    # the system prompt (at least 400 tokens: 25 blocks) and the first chunk (16 more blocks)
+    systems = {tuple(line["hash_ids"][:25]) for line in lines}
+    firsts = {tuple(line["hash_ids"][: 25 + 16 * 6]) for line in lines}
+    assert len(systems) <= 4
+    assert 0.05 < len(firsts) / len(lines) < 0.95  # some retrievals agree, most do not
+    assert all(line["input_length"] >= 400 + 3 * 256 for line in lines)
+
+
+def test_the_diurnal_rate_swings(tmp_path: Path) -> None:
+    write("diurnal_docs", tmp_path / "d.jsonl", rate=4.0, duration=600.0, seed=4)
+    phases = [
+        math.sin(2 * math.pi * line["timestamp"] / 60.0) for line in _lines(tmp_path / "d.jsonl")
+    ]
+    peaks = sum(phase > 0.7 for phase in phases)
+    troughs = sum(phase < -0.7 for phase in phases)
+    assert peaks > 4 * troughs > 0
+
+
+def test_a_fanout_job_sends_its_requests_at_once_on_one_context(tmp_path: Path) -> None:
+    write("fanout", tmp_path / "f.jsonl", rate=4.0, duration=300.0, seed=6)
+    bursts: list[list[dict]] = []  # requests within 50 ms of the one before
+    for line in _lines(tmp_path / "f.jsonl"):
+        if bursts and line["timestamp"] - bursts[-1][-1]["timestamp"] <= 0.05:
+            bursts[-1].append(line)
+        else:
+            bursts.append([line])
+
+    def shared_blocks(burst: list[dict]) -> int:
+        first = burst[0]["hash_ids"]
+        return min(
+            next(
+                (
+                    k
+                    for k, (a, b) in enumerate(zip(first, line["hash_ids"], strict=False))
+                    if a != b
+                ),
+                len(first),
+            )
+            for line in burst
+        )
+
+    # the instruction prompt (300+ tokens) and the context (1,000+): 81 blocks at least, then
+    # each request's own suffix (two jobs rarely start within 50 ms of each other)
+    one_job = [b for b in bursts if len(b) >= 2 and 81 <= shared_blocks(b) < len(b[0]["hash_ids"])]
+    assert len(bursts) > 50 and len(one_job) >= 0.9 * len(bursts)
