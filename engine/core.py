@@ -144,6 +144,10 @@ class EngineCore(SchedBook):
         self.finished = 0
         self.rejected = 0
         self.busy_s = 0.0  # time spent in steps (completed ones): the GPU's busy time
+        # inter-token latencies as vLLM's histogram counts them (each decoded token: the time
+        # since its request's previous token), what a bridge reads an engine's TPOT off
+        self.itl_s_total = 0.0
+        self.itl_tokens = 0
         # what routers fit this engine's real speed from (broker.events FirstToken): per request
         # in prefill, [execution ms, batch tokens] of its finished prefill units
         self._prefill_work: dict[str, list[float]] = {}
@@ -448,6 +452,9 @@ class EngineCore(SchedBook):
             if st.phase is not Phase.DECODING:
                 continue  # cancelled during the step
             st.generated += 1
+            if st.last_token_at is not None:
+                self.itl_s_total += t_dec - st.last_token_at
+                self.itl_tokens += 1
             st.last_token_at = t_dec
             done = st.generated >= st.req.output_tokens
             usage = self._finish(st, t_dec) if done else None

@@ -135,7 +135,7 @@ class Cluster(ClusterState):
             if ev.decode_step_ms and not eng.reports_requests:
                 # no request events (a plain vLLM behind the bridge): its requests' TPOT is its
                 # mean step (the bridge reads it off vLLM's inter-token latencies)
-                self._record_tpot(eng, ev.decode_step_ms)
+                self._record_heartbeat_tpot(eng, ev.decode_step_ms, now)
             if (not eng.static or not eng.url) and (eng.url, eng.models) != (ev.url, ev.models):
                 eng.url = ev.url
                 eng.models = ev.models
@@ -420,9 +420,27 @@ class Cluster(ClusterState):
             eng.held_kv = 0.0
 
     def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
+        """A finished request's TPOT: the engine's is the median of its last requests'."""
         eng.tpots.append(tpot_ms)
         if len(eng.tpots) > self.config.tpot_samples:
             eng.tpots.popleft()
+        self._tpot_changed(eng)
+
+    def _record_heartbeat_tpot(self, eng: _Engine, tpot_ms: float, now: float) -> None:
+        """A heartbeat's mean inter-token latency (a bridged engine): the engine's TPOT is the
+        median of those of the last ``tpot_window_s``."""
+        if len(eng.tpot_times) != len(eng.tpots):  # (samples of requests before: start anew)
+            eng.tpots.clear()
+            eng.tpot_times.clear()
+        eng.tpots.append(tpot_ms)
+        eng.tpot_times.append(now)
+        horizon = now - self.config.tpot_window_s
+        while len(eng.tpot_times) > 1 and eng.tpot_times[0] < horizon:
+            eng.tpot_times.popleft()
+            eng.tpots.popleft()
+        self._tpot_changed(eng)
+
+    def _tpot_changed(self, eng: _Engine) -> None:
         eng.tpot_ms = median(eng.tpots)
         eng.top_work, eng.top_known = None, False  # loads move by different amounts
         eng.view = None

@@ -51,7 +51,12 @@ class ClusterConfig:
     approximate: bool = False  # treat every engine as reporter-less (tree from decisions)
     speculative_max_entries: int = 100_000
     group_bytes: int = 1024  # prefix group = hash of the key's first bytes
-    tpot_samples: int = 200
+    tpot_samples: int = 200  # an engine's TPOT: the median of its last requests' ...
+    # ... or, behind a bridge (no request events), of its heartbeats' mean inter-token latency
+    # over this many seconds: a window in time, not in samples, whatever the poll period (the
+    # bridge's 200-ms polls gave 200 samples 40 s; at a 1-s period they held 200 s, a batch
+    # that had grown since read at the TPOT of the smaller one: docs/router.md)
+    tpot_window_s: float = 40.0
     tpot_seed_ms: float = 150.0
     default_profile: str = "mistral-7b-a6000"
     # profiles (names or paths on the router's host, the operator's) that engines may announce

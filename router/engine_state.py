@@ -154,6 +154,7 @@ class _Engine:
     open_prefill_tokens: int = 0  # their sum of missed tokens
     groups: dict[int, _GroupWork] = field(default_factory=dict)
     tpots: deque = field(default_factory=deque)
+    tpot_times: deque = field(default_factory=deque)  # when each heartbeat's sample came
     tpot_ms: float = 150.0
     hit_matched: int = 0
     hit_total: int = 0

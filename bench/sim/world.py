@@ -91,6 +91,8 @@ class EngineLike(Protocol):
 
     engine_id: str
     busy_s: float  # time spent in steps: the GPU's busy time
+    itl_s_total: float  # inter-token latencies of its decoded tokens, summed (s) ...
+    itl_tokens: int  # ... and counted, as vLLM's histogram holds them
 
     def submit(self, req: Any, now: float) -> None: ...
     def cancel(self, request_id: str, now: float) -> None: ...
@@ -171,10 +173,11 @@ class _EngineSlot:
     wake_version: int = 0
     last_delivery: float = 0.0
     routed: int = 0
-    # the inter-token latencies of its requests since its last heartbeat (ms, count), for a
-    # bridged engine's heartbeat (vLLM's vllm:inter_token_latency_seconds)
-    itl_ms: float = 0.0
-    itl_count: int = 0
+    # its core's inter-token latency counters at its last heartbeat (s, tokens): a bridged
+    # engine's heartbeat reports the interval's mean, as the bridge reads the difference of
+    # two scrapes of vLLM's vllm:inter_token_latency_seconds
+    itl_s_seen: float = 0.0
+    itl_tokens_seen: int = 0
     down: bool = False  # its process is gone (an outage)
     restarts: int = 0
     busy_before_s: float = 0.0  # the GPU time of its earlier processes
@@ -545,9 +548,6 @@ class World:
                 u.cached_tokens if flight.decode_engine is None else flight.prefill_cached
             )
             rec.tpot_s = u.tpot_ms / 1000.0 if u.completion_tokens > 1 else None
-            if u.completion_tokens > 1:
-                slot.itl_ms += u.tpot_ms * (u.completion_tokens - 1)
-                slot.itl_count += u.completion_tokens - 1
             del self._flights[out.request_id]
             if flight.decode_engine is None:
                 self.pool.finished(slot.core.engine_id, True, now)
@@ -623,7 +623,7 @@ class World:
         slot.restarts += 1
         slot.epoch = f"sim{self.link.seed}.{slot.restarts}"
         slot.seq = 0
-        slot.itl_ms, slot.itl_count = 0.0, 0
+        slot.itl_s_seen, slot.itl_tokens_seen = 0.0, 0
         slot.down = False
         self._send_heartbeat(slot, now)
 
@@ -677,14 +677,16 @@ class World:
     def _as_bridged(self, slot: _EngineSlot, ev: Event) -> Event:
         """``ev`` as the bridge would report it (:mod:`engine_reporter.vllm.metrics`): a
         heartbeat without the prefill timings vLLM does not export, its decode step the mean
-        inter-token latency of the engine's requests since the previous one (what vLLM exports:
-        a step's prefill mixed in included; here counted when each request ends), and the
+        inter-token latency of the tokens decoded since the previous one (what vLLM exports:
+        each token's time since its request's previous token, a step's prefill mixed in), and the
         batch and context only for an interval of pure decode (no prefill in it, nothing
         waiting), the only one in which that latency is the decode step."""
         if not isinstance(ev, LoadHeartbeat):
             return ev
-        itl = slot.itl_ms / slot.itl_count if slot.itl_count else None
-        slot.itl_ms, slot.itl_count = 0.0, 0
+        core = slot.core
+        tokens = core.itl_tokens - slot.itl_tokens_seen
+        itl = 1000.0 * (core.itl_s_total - slot.itl_s_seen) / tokens if tokens > 0 else None
+        slot.itl_s_seen, slot.itl_tokens_seen = core.itl_s_total, core.itl_tokens
         pure = ev.prefill_ms is None and ev.waiting == 0 and ev.decode_step_ms is not None
         return replace(
             ev,

@@ -262,6 +262,35 @@ def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_tt
         assert fitted == 1.0  # nothing to learn from
 
 
+def test_a_bridged_heartbeat_reads_the_tokens_decoded_in_its_interval() -> None:
+    """Behind the bridge a heartbeat's decode step is the mean inter-token latency of the tokens
+    decoded since the previous one, as vLLM's histogram counts them: a long answer decoding
+    while short requests keep the engine prefilling shows in every heartbeat of its decode, not
+    only in the one after it ends (counted at the request's end, a heartbeat read its batch a
+    request's lifetime late, and this one's mixed intervals said nothing)."""
+    link = LinkConfig(request_events=False, heartbeat_s=1.0)
+    world = build_world("round_robin", "fcfs", SimConfig(engines=1, link=link))
+    spy = _Spy(world.router)
+    world.router = spy
+    world.run(
+        [_req("long", 0.0, 400, 1500)]  # ~1,500 tokens of decode: over ten seconds
+        + [_req(f"s{i}", 0.05 + 0.25 * i, 4000, 1, seed=i + 2) for i in range(40)]
+    )
+    (long,) = [r for r in world.records if r.request_id == "long"]
+    assert long.ok and long.e2e_s > 10.0
+    beats = [
+        (now, e.event)
+        for now, e in spy.seen
+        if isinstance(e.event, LoadHeartbeat) and 1.0 <= now < 10.0
+    ]
+    # prefill in every interval: none is pure decode, each still times the long answer's tokens
+    assert len(beats) >= 8 and all(b.decode_batch is None for _, b in beats)
+    steps = [b.decode_step_ms for _, b in beats]
+    assert all(s is not None for s in steps)
+    assert min(steps) > PROFILE.decode_step_ms(1, 100)  # (prefill chunks stretch its steps)
+    assert max(steps) < long.tpot_s * 1000 * 3
+
+
 def test_a_flash_crowd_of_one_system_prompt_spreads_over_idle_engines() -> None:
     """Every request shares one 2,000-token system prompt (programming), 8 engines at light
     load: priced for its first request alone, a copy of the prompt on an idle engine came only

@@ -48,6 +48,21 @@ def test_events_and_usage_of_one_request() -> None:
     assert outs[-1].usage.ttft_ms == pytest.approx(2.0)
 
 
+def test_inter_token_latencies_are_counted_as_tokens_come() -> None:
+    """The engine counts each decoded token's time since its request's previous token, as
+    vLLM's inter-token latency histogram does: while a request is still decoding, not when it
+    ends (a bridge reads an engine's current TPOT off the difference of two readings)."""
+    c = core()
+    c.submit(req("A", 50, out=200, tpot_ms=100), 0.0)
+    run_until(c, 0.5)  # its first token at 50 ms, then a token every 11 ms
+    assert c.finished == 0
+    assert c.itl_tokens == 40  # the tokens after the first that came by 0.5 s
+    assert c.itl_s_total == pytest.approx(40 * 0.011)
+    run_until(c, 10.0)
+    assert c.finished == 1 and c.itl_tokens == 199
+    assert c.itl_s_total == pytest.approx(199 * 0.011)
+
+
 def test_a_finished_answer_is_cached_for_the_turn_that_resends_it() -> None:
     """vLLM and SGLang cache a finished request's output tokens: a conversation's next turn,
     which resends the answer, finds it cached. 50 prompt tokens (200 bytes, 3 whole blocks of

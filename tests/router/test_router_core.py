@@ -267,6 +267,29 @@ def test_tpot_median_feeds_the_load_term() -> None:
     assert eng.open_prefill_ms > 0
 
 
+def test_a_bridged_engine_s_tpot_is_its_heartbeats_over_a_window_in_time() -> None:
+    """Behind the bridge (no request events) each heartbeat carries the mean inter-token latency
+    of its interval. The engine's TPOT is their median over the last ``tpot_window_s``, not over
+    a count of samples: at a 1-s poll 200 samples held 200 s, and a batch that had since grown
+    was read at the TPOT of the smaller one."""
+    f = Fleet(n=1, tpot_window_s=40.0)
+    eng = f.router.cluster.engines["e0"]
+    t = 1.0
+    for _ in range(100):  # 100 s of a small batch, 50 ms a token
+        f.heartbeat("e0", t, running=10, decode_step_ms=50.0)
+        t += 1.0
+    assert eng.tpot_ms == 50.0
+    for _ in range(30):  # the batch grows: 100 ms a token, for 30 s (30 of 130 samples)
+        f.heartbeat("e0", t, running=40, decode_step_ms=100.0)
+        t += 1.0
+    assert eng.tpot_ms == 100.0  # (the last 40 s: 30 of 41 samples at 100 ms)
+    # at a faster poll the window is the same 40 s (200 samples of 0.2 s would be 40 s too)
+    for _ in range(300):
+        f.heartbeat("e0", t, running=10, decode_step_ms=50.0)
+        t += 0.2
+    assert eng.tpot_ms == 50.0 and len(eng.tpots) == 201
+
+
 def test_outstanding_load_leaves_with_first_token_and_finish() -> None:
     f = Fleet(n=1)
     cl = f.router.cluster
