@@ -173,7 +173,7 @@ class Cluster(ClusterState):
             if rec is not None and not rec.first_token:
                 self._record_ttft(rec.group, ev.ttft_ms, now)
             if ev.output_tokens > 1:
-                self._record_tpot(eng, ev.tpot_ms)
+                self._record_tpot(eng, ev.tpot_ms, now)
             if ev.max_tokens is not None:  # (the answer against the cap it was given)
                 self.output_fit.observe(ev.max_tokens, ev.output_tokens)
             if rec is not None:
@@ -419,9 +419,9 @@ class Cluster(ClusterState):
         if not eng.kv_holders:  # (no drift from float sums)
             eng.held_kv = 0.0
 
-    def _record_tpot(self, eng: _Engine, tpot_ms: float) -> None:
+    def _record_tpot(self, eng: _Engine, tpot_ms: float, now: float) -> None:
         """A finished request's TPOT: the engine's is the median of its last requests'."""
-        eng.tpots.append(tpot_ms)
+        eng.tpots.append((now, tpot_ms))
         if len(eng.tpots) > self.config.tpot_samples:
             eng.tpots.popleft()
         self._tpot_changed(eng)
@@ -429,19 +429,14 @@ class Cluster(ClusterState):
     def _record_heartbeat_tpot(self, eng: _Engine, tpot_ms: float, now: float) -> None:
         """A heartbeat's mean inter-token latency (a bridged engine): the engine's TPOT is the
         median of those of the last ``tpot_window_s``."""
-        if len(eng.tpot_times) != len(eng.tpots):  # (samples of requests before: start anew)
-            eng.tpots.clear()
-            eng.tpot_times.clear()
-        eng.tpots.append(tpot_ms)
-        eng.tpot_times.append(now)
+        eng.tpots.append((now, tpot_ms))
         horizon = now - self.config.tpot_window_s
-        while len(eng.tpot_times) > 1 and eng.tpot_times[0] < horizon:
-            eng.tpot_times.popleft()
+        while len(eng.tpots) > 1 and eng.tpots[0][0] < horizon:
             eng.tpots.popleft()
         self._tpot_changed(eng)
 
     def _tpot_changed(self, eng: _Engine) -> None:
-        eng.tpot_ms = median(eng.tpots)
+        eng.tpot_ms = median([tpot for _, tpot in eng.tpots])
         eng.top_work, eng.top_known = None, False  # loads move by different amounts
         eng.view = None
         self._load_dirty[eng.engine_id] = eng

@@ -153,8 +153,7 @@ class _Engine:
     reports_prefill_steps: bool = False  # its heartbeats time its prefill work (speed fit)
     open_prefill_tokens: int = 0  # their sum of missed tokens
     groups: dict[int, _GroupWork] = field(default_factory=dict)
-    tpots: deque = field(default_factory=deque)
-    tpot_times: deque = field(default_factory=deque)  # when each heartbeat's sample came
+    tpots: deque = field(default_factory=deque)  # (when, TPOT ms) of its recent samples
     tpot_ms: float = 150.0
     hit_matched: int = 0
     hit_total: int = 0

@@ -861,7 +861,7 @@ def test_heaviest_group_kept_through_routes_moves_tpot_and_expiry(ops: list, min
                 )
             cl.apply_moves([Move(a, f"e{b}", f"e{c}")], now)
         elif op == "tpot":
-            cl._record_tpot(cl.engines[f"e{b}"], a)
+            cl._record_tpot(cl.engines[f"e{b}"], a, now)
         elif op == "wait":
             now += a
             cl.expire(now)
@@ -900,7 +900,7 @@ def test_heaviest_group_follows_a_new_tpot() -> None:
         cl.record_route(req, "e0", match, matched, group, 1.0)
     eng = cl.engines["e0"]
     assert cl.heaviest_group(eng)[0] == 1  # at the seeded 150 ms TPOT
-    cl._record_tpot(eng, 5.0)
+    cl._record_tpot(eng, 5.0, 1.0)
     assert cl.heaviest_group(eng)[0] == 0
 
 
