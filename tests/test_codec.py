@@ -42,17 +42,20 @@ block_stored = st.integers(1, 5).flatmap(
     )
 )
 heartbeat = st.builds(
-    lambda counts, vbs, prof, url, models, decode, role, prefill, order, held: LoadHeartbeat(
-        *counts,
-        vbs,
-        prof,
-        url,
-        models,
-        *(decode or (None, None, None)),
-        role,
-        *(prefill or (None, None)),
-        order,
-        held,
+    lambda counts, vbs, prof, url, models, decode, role, prefill, order, held, tokens: (
+        LoadHeartbeat(
+            *counts,
+            vbs,
+            prof,
+            url,
+            models,
+            *(decode or (None, None, None)),
+            role,
+            *(prefill or (None, None)),
+            order,
+            held,
+            tokens,
+        )
     ),
     st.tuples(COUNT, COUNT, COUNT, COUNT, COUNT),
     MS,
@@ -64,6 +67,7 @@ heartbeat = st.builds(
     st.none() | st.tuples(MS, MS),  # optional prefill-work figures (SpeedFit)
     st.sampled_from(("deadline", "arrival")),  # the order its prefill queue is served in
     st.none() | COUNT,  # optional: the KV blocks its requests hold
+    st.none() | COUNT,  # optional: the tokens its decode steps gave
 )
 first_token = st.one_of(
     st.builds(FirstToken, ID, MS),
@@ -181,8 +185,16 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
         bad = orjson.dumps(["e1", "ep", 0, [[*ordered, wrong]]])
         with pytest.raises(ValueError, match="kv_blocks_held"):
             decode_batch({b"v": b"1", b"h": bad, b"b": b""})
-    newer = orjson.dumps(["e1", "ep", 0, [[*held, "extra"]]])
-    with pytest.raises(CodecError, match="11 to 19 items"):
+    assert env.event.decode_tokens is None
+    tokens = [*held, 40]  # the tokens its decode steps gave in the interval, added last
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [tokens]]), b"b": b""})
+    assert env.event.decode_tokens == 40 and env.event.kv_blocks_held == 70
+    for wrong in (-1, 2.5, "40"):
+        bad = orjson.dumps(["e1", "ep", 0, [[*held, wrong]]])
+        with pytest.raises(ValueError, match="decode_tokens"):
+            decode_batch({b"v": b"1", b"h": bad, b"b": b""})
+    newer = orjson.dumps(["e1", "ep", 0, [[*tokens, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 20 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
     # a finished request's cap (what routers learn answers' lengths against) came later too
     old_fi = orjson.dumps(["e1", "ep", 0, [["fi", 1.0, "r1", 120, 50.0, 20.0]]])

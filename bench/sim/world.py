@@ -678,9 +678,11 @@ class World:
         """``ev`` as the bridge would report it (:mod:`engine_reporter.vllm.metrics`): a
         heartbeat without the prefill timings vLLM does not export, its decode step the mean
         inter-token latency of the tokens decoded since the previous one (what vLLM exports:
-        each token's time since its request's previous token, a step's prefill mixed in), and the
-        batch and context only for an interval of pure decode (no prefill in it, nothing
-        waiting), the only one in which that latency is the decode step."""
+        each token's time since its request's previous token, a step's prefill mixed in). With
+        the batch and context: for an interval of pure decode (no prefill in it, nothing
+        waiting) that latency is the decode step; for one with prefill in it, also the tokens
+        decoded and the profile's time for the prefill done (the bridge prices the prompt
+        tokens vLLM computed), which the router spreads over the interval's steps."""
         if not isinstance(ev, LoadHeartbeat):
             return ev
         core = slot.core
@@ -688,13 +690,17 @@ class World:
         itl = 1000.0 * (core.itl_s_total - slot.itl_s_seen) / tokens if tokens > 0 else None
         slot.itl_s_seen, slot.itl_tokens_seen = core.itl_s_total, core.itl_tokens
         pure = ev.prefill_ms is None and ev.waiting == 0 and ev.decode_step_ms is not None
+        if pure:
+            return replace(ev, prefill_plan_ms=None)
+        if itl is not None and ev.decode_batch:
+            return replace(ev, prefill_ms=None, decode_step_ms=itl, decode_tokens=tokens)
         return replace(
             ev,
             prefill_ms=None,
             prefill_plan_ms=None,
-            decode_step_ms=ev.decode_step_ms if pure else itl,
-            decode_batch=ev.decode_batch if pure else None,
-            decode_context=ev.decode_context if pure else None,
+            decode_step_ms=itl,
+            decode_batch=None,
+            decode_context=None,
         )
 
     def _on_deliver(self, envs: list[Envelope], now: float) -> None:

@@ -152,6 +152,7 @@ class VllmBridge:
         )
         self.reporter: Reporter = self._make_reporter(new_epoch())
         profile = load_profile(config.profile)
+        self._cost_profile = profile  # (prices the prompt tokens vLLM computed in an interval)
         self._fallback_blocks = profile.kv_blocks
         # a name routers can load, else the profile inline: a file given by path is on this
         # host only
@@ -426,7 +427,7 @@ class VllmBridge:
                 async with self._lock:
                     await self._reset("vLLM process restarted")
                     self.tracker.reset()
-        decode = decode_figures(load, self._load.scrape)
+        decode = decode_figures(load, self._load.scrape, self._cost_profile)
         self._load.scrape = load
         hb = build_heartbeat(
             load,

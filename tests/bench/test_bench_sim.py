@@ -248,7 +248,9 @@ def test_engines_behind_the_bridge_are_fitted_from_the_gateways_ttfts(gateway_tt
     assert kinds <= {LoadHeartbeat, BlockStored, BlockRemoved, AllCleared}
     assert BlockStored in kinds
     beats = [e.event for _, e in spy.seen if isinstance(e.event, LoadHeartbeat)]
-    assert all(b.prefill_ms is None and b.prefill_plan_ms is None for b in beats)
+    # no step timed; the profile's price of the prefill only in an interval of decode tokens
+    assert all(b.prefill_ms is None for b in beats)
+    assert all(b.prefill_plan_ms is None or b.decode_tokens for b in beats)
     cluster = spy.router.router.cluster  # (the spy, around the timing wrapper)
     # the decode step is the requests' mean inter-token latency (vLLM's metric), the TPOT the
     # router keeps: the slow engine's twice the other's
@@ -283,8 +285,10 @@ def test_a_bridged_heartbeat_reads_the_tokens_decoded_in_its_interval() -> None:
         for now, e in spy.seen
         if isinstance(e.event, LoadHeartbeat) and 1.0 <= now < 10.0
     ]
-    # prefill in every interval: none is pure decode, each still times the long answer's tokens
-    assert len(beats) >= 8 and all(b.decode_batch is None for _, b in beats)
+    # prefill in every interval: none is pure decode, each still times the long answer's tokens,
+    # with the tokens and the profile's time for the prefill that their steps held
+    assert len(beats) >= 8 and all(b.decode_tokens and b.decode_batch for _, b in beats)
+    assert all(b.prefill_plan_ms for _, b in beats)
     steps = [b.decode_step_ms for _, b in beats]
     assert all(s is not None for s in steps)
     assert min(steps) > PROFILE.decode_step_ms(1, 100)  # (prefill chunks stretch its steps)

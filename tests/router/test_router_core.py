@@ -31,7 +31,7 @@ from router.api import RouteRequest
 from router.cluster_state import ClusterConfig, _LoadOrder
 from router.core import Router, RouterConfig
 from router.policies.base import Move, RequestContext, prefill_cost_ms
-from router.policies.feasibility import estimate
+from router.policies.feasibility import decode_step_ms, estimate
 from router.speculative import _ExpiryQueue
 from router.view import View
 
@@ -1737,35 +1737,104 @@ def test_behind_the_bridge_many_identical_engines_read_as_identical() -> None:
 
 def test_an_engine_without_request_events_takes_its_tpot_from_its_heartbeats() -> None:
     """A plain vLLM behind the bridge never sends RequestFinished: its TPOT (the windowed load's
-    price of an output token) is its heartbeats' mean decode step, and the same figure fits its
-    decode speed, read against the fastest bridged engine of its profile (a slowdown every
-    engine on the host shares cancels; one never timed reads as that fastest). An engine that
-    sends request events keeps their exact TPOTs and its absolute fit."""
+    price of an output token) is its heartbeats' mean inter-token latency. An engine that sends
+    request events keeps their exact TPOTs."""
     f = Fleet(n=3)
     cl = f.router.cluster
     prof = cl.engines["e0"].profile
     assert cl.engines["e0"].tpot_ms == 150.0  # the seed
-    step = prof.decode_step_ms(4.0, 500.0) * 2  # twice as slow as its profile
+    step = prof.decode_step_ms(4.0, 500.0) * 2
     f.heartbeat("e0", 1.0, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
     assert cl.engines["e0"].tpot_ms == pytest.approx(step)
-    assert cl.engines["e0"].speed.decode == pytest.approx(2.0)
-    # the only bridged engine timed so far: the fastest, at its profile's speed
-    assert _view(f, 1.1, "e0")[1].decode_scale == pytest.approx(1.0)
-    # another, timed at 8x the profile (a host busy with other work) and then at the profile's
-    # speed: e0 now reads 2x against it; e2, never timed, as the fastest
-    f.heartbeat("e2", 1.1, decode_step_ms=step * 4, decode_batch=4.0, decode_context=500.0)
-    assert _view(f, 1.15, "e0")[1].decode_scale == pytest.approx(1.0)
-    assert _view(f, 1.15, "e2")[1].decode_scale == pytest.approx(4.0)
-    for t in range(30):  # its fit follows the new figure
-        f.heartbeat("e2", 1.2 + t / 100, decode_step_ms=step / 2, decode_batch=4.0,
-                    decode_context=500.0)  # fmt: skip
-    assert cl.engines["e2"].speed.decode < 2.0
-    ratio = cl.engines["e0"].speed.decode / cl.engines["e2"].speed.decode
-    assert _view(f, 1.6, "e0")[1].decode_scale == pytest.approx(ratio)
-    assert _view(f, 1.6, "e2")[1].decode_scale == pytest.approx(1.0)
     f.send("e1", RequestFinished("x", 10, 100.0, 40.0), 1.7)  # e1 reports its requests
     f.heartbeat("e1", 1.8, decode_step_ms=step, decode_batch=4.0, decode_context=500.0)
     assert cl.engines["e1"].tpot_ms == pytest.approx(40.0)
+    assert cl.engines["e1"].speed.decode == pytest.approx(2.0)  # (its own fit: absolute)
+
+
+def test_a_bridged_engines_decode_speed_is_read_against_the_fastest_from_every_busy_interval() -> (
+    None
+):
+    """Behind the bridge a step is timed only by vLLM's inter-token latency, which holds what
+    the host adds (a slowdown every engine shares cancels when read against the fleet's
+    fastest) and, in an interval whose steps also prefilled, that prefill: priced on the
+    profile and spread over the interval's steps (its tokens over its batch), such an interval
+    says how fast the engine runs too. An engine is read slower than the fastest only once each
+    has two readings, and only by what its readings show past their noise."""
+    f = Fleet(n=3)
+    cl = f.router.cluster
+    prof = cl.engines["e0"].profile
+    lone = prof.decode_step_ms(4.0, 500.0)
+    host = 3.0  # every engine on this host runs 3x slower than its profile
+    # e0 decodes alone, 2x slower than its peers; e1 and e2 prefill in every interval: 400 ms
+    # of prefill over 40 tokens at a batch of 4 (10 steps) adds 40 ms to each step
+    mixed = dict(decode_batch=4.0, decode_context=500.0, decode_tokens=40, prefill_plan_ms=400.0)
+    f.heartbeat("e0", 1.0, decode_step_ms=2 * host * lone, decode_batch=4.0, decode_context=500.0)
+    f.heartbeat("e1", 1.0, decode_step_ms=host * (lone + 40.0), **mixed)
+    assert _view(f, 1.05, "e0")[1].decode_scale == 1.0  # one reading each: nothing read yet
+    for t in range(1, 6):
+        f.heartbeat("e0", 1.0 + t / 10, decode_step_ms=2 * host * lone, decode_batch=4.0,
+                    decode_context=500.0)  # fmt: skip
+        f.heartbeat("e1", 1.0 + t / 10, decode_step_ms=host * (lone + 40.0), **mixed)
+        f.heartbeat("e2", 1.0 + t / 10, decode_step_ms=host * (lone + 40.0) * (1 + t % 2 / 10),
+                    **mixed)  # fmt: skip
+    assert _view(f, 2.0, "e0")[1].decode_scale == pytest.approx(2.0, rel=0.05)
+    assert _view(f, 2.0, "e1")[1].decode_scale == pytest.approx(1.0)
+    assert _view(f, 2.0, "e2")[1].decode_scale == pytest.approx(1.0)  # (its spread: noise)
+    assert cl.engines["e1"].speed.decode == 1.0  # (the absolute fit stays for event engines)
+    # the same intervals without their prefill priced (an old bridge) read e1 slower than e0
+    g = Fleet(n=2)
+    for t in range(6):
+        g.heartbeat("e0", 1.0 + t / 10, decode_step_ms=lone, decode_batch=4.0,
+                    decode_context=500.0)  # fmt: skip
+        g.heartbeat("e1", 1.0 + t / 10, decode_step_ms=lone + 40.0, decode_batch=4.0,
+                    decode_context=500.0)  # fmt: skip
+    assert _view(g, 2.0, "e1")[1].decode_scale == pytest.approx((lone + 40.0) / lone, rel=0.05)
+
+
+def test_a_bridged_engines_predicted_ttft_gives_prefill_its_share_of_the_profiles_step() -> None:
+    """The TTFT fit of an engine behind the bridge reads its gateway TTFTs against a prediction
+    with the prefill factor divided out. That prediction's share of the GPU for prefill is taken
+    on the profile's decode step, not the fitted one: an engine slower at both is slower at its
+    steps' prefill share too, and taken at the fitted step a slow decode, read first, made the
+    fit read the engine's prefill as fast as the fastest's (a double count). Only the one
+    decode step the prediction adds grows with the decode factor, on an engine that serves in
+    arrival order (vLLM); on an S-EDF engine, which cuts each step to its TPOT budget, a slower
+    decode does leave prefill less."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    prof = cl.engines["e0"].profile
+    lone = prof.decode_step_ms(4.0, 500.0)
+    for t in range(6):  # e0 decodes 2x slower than e1
+        for eid, slow in (("e0", 2.0), ("e1", 1.0)):
+            f.heartbeat(eid, 1.0 + t / 10, decode_step_ms=slow * lone, decode_batch=4.0,
+                        decode_context=500.0, queue_order="arrival")  # fmt: skip
+    for i in range(12):  # requests in flight on both: prefill shares the GPU with their decode
+        f.route(f"r{i}", bytes([i]) * 4000, 2.0 + i / 1000, max_tokens=400)
+    eng = cl.engines["e0"]
+    assert eng.inflight > 0 and cl.decode_scale(eng) == pytest.approx(2.0, rel=0.05)
+    rec = next(r for r in cl._inflight.values() if r.engine_id == "e0")
+
+    def predicted() -> tuple[float, float]:
+        eng.view = None
+        cl._predict_ttft(eng, rec, 10.0)
+        return rec.ttft_pred_ms, decode_step_ms(cl.engine_view(eng))
+
+    slow_pred, slow_step = predicted()
+    ref = cl._step_ref
+    cl._step_ref = None  # (no reference: its decode read as its profile's)
+    plain_pred, plain_step = predicted()
+    assert slow_step == pytest.approx(2 * plain_step, rel=0.05) and slow_step > plain_step
+    assert slow_pred - slow_step == pytest.approx(plain_pred - plain_step)
+    # an S-EDF engine cuts its steps to the TPOT budget: there a slower decode leaves prefill
+    # less of each step, and the prediction grows by more than the step it adds
+    hb = eng.heartbeat
+    assert hb is not None
+    eng.heartbeat = replace(hb, queue_order="deadline")
+    cl._step_ref = ref
+    edf_pred, edf_step = predicted()
+    assert edf_step == pytest.approx(slow_step)
+    assert edf_pred - edf_step > slow_pred - slow_step
 
 
 def test_answers_are_planned_at_what_answers_under_their_cap_took() -> None:

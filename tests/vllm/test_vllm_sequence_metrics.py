@@ -17,6 +17,7 @@ from engine_reporter.vllm.metrics import (
     served_models,
 )
 from engine_reporter.vllm.sequence import SeqTracker, usable_run
+from kvgate.cost_model import DEFAULT_PROFILE, load_profile
 
 METRICS = Path(__file__).with_name("data") / "vllm_metrics.txt"
 
@@ -108,8 +109,10 @@ def _decode_text(
     prompt_tokens: int = 3000,
     running: int = 4,
     name: str = "inter_token_latency",
+    hits: int = 0,
 ) -> str:
     return (
+        f'vllm:prefix_cache_hits_total{{model_name="a"}} {hits}\n'
         f"# TYPE vllm:{name}_seconds histogram\n"
         f'vllm:{name}_seconds_sum{{model_name="a"}} {itl_sum}\n'
         f'vllm:{name}_seconds_count{{model_name="a"}} {itl_count}\n'
@@ -127,8 +130,9 @@ def _decode_text(
 def test_decode_figures_are_the_inter_token_latencies_of_the_interval() -> None:
     """vLLM exports no step times, but every step gives each running request a token: over a
     scrape interval the mean inter-token latency is its mean step as the requests see it (the
-    TPOT). Only an interval of pure decode (no prompt prefilled, the same requests running)
-    gives the batch and context that make it evidence of the engine's decode speed."""
+    TPOT). An interval of pure decode (no prompt prefilled, the same requests running) gives
+    the batch and context that make it evidence of the engine's decode speed; one whose steps
+    prefilled too, with the tokens decoded and the profile's price of that prefill."""
     before = parse_metrics(_decode_text(10.0, 1000))
     after = parse_metrics(_decode_text(10.8, 1040))  # 40 tokens, 20 ms apart, nothing prefilled
     d = decode_figures(after, before)
@@ -147,6 +151,21 @@ def test_decode_figures_are_the_inter_token_latencies_of_the_interval() -> None:
         m = decode_figures(parse_metrics(mixed), before)
         assert m is not None and m.step_ms == pytest.approx(20.0)
         assert m.batch is None and m.context is None
+    # with the profile: an interval that prefilled gives the batch (the mean of its ends'), the
+    # tokens decoded and the profile's time for the prompt tokens not found in the cache
+    prof = load_profile(DEFAULT_PROFILE)
+    both = _decode_text(10.8, 1040, prompt_tokens=3300, running=6, hits=100)
+    m = decode_figures(parse_metrics(both), before, prof)
+    assert m is not None and m.step_ms == pytest.approx(20.0) and m.batch == 5.0
+    assert m.context == pytest.approx(320) and m.tokens == 40
+    assert m.prefill_plan_ms == pytest.approx(prof.prefill_ms(200))
+    hb = build_heartbeat(parse_metrics(both), url="http://x:1", models=(), profile="p",
+                         fallback_blocks=8, decode=m)  # fmt: skip
+    assert (hb.decode_tokens, hb.decode_batch) == (40, 5.0)
+    assert hb.prefill_plan_ms == m.prefill_plan_ms and hb.prefill_ms is None
+    # ... but not one whose steps did not run throughout (nothing running at one end)
+    idle = decode_figures(parse_metrics(_decode_text(10.8, 1040, 3300, running=0)), before, prof)
+    assert idle is not None and idle.batch is None and idle.tokens is None
     # the older metric name; no token in the interval; no previous scrape; a restart
     older = parse_metrics(_decode_text(10.8, 1040, name="time_per_output_token"))
     assert decode_figures(older, before) == d
