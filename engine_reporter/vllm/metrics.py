@@ -189,7 +189,8 @@ class DecodeFigures:
     """A heartbeat's decode figures over one scrape interval (see the module docstring)."""
 
     step_ms: float
-    batch: float | None  # None: requests came or went (the steps' batch is not known)
+    # None: no request ran throughout, or the interval's prefill cannot be priced (no profile)
+    batch: float | None
     context: float | None
     # an interval with prefill in it: the tokens decoded (the steps are these over the batch)
     # and the profile's time for the prompt tokens computed (not found in the prefix cache)
