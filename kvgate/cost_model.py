@@ -767,6 +767,32 @@ def ttft_reference(fits: Sequence[TtftFit], sd: float) -> TtftReference | None:
     return TtftReference(log, se2, pooled, sd)
 
 
+class FleetReference:
+    """The reference a fleet's :class:`TtftFit` s are read against (:func:`ttft_reference`),
+    kept current cheaply: a fleet-wide figure, re-read from every fitted engine once in as many
+    readings as the fleet has engines; between times only the engine just read moves against
+    the reference as it stands (an engine that reads faster than it reads as fast, at once)."""
+
+    __slots__ = ("_reads", "ref", "sd")
+
+    def __init__(self, sd: float) -> None:
+        self.sd = sd
+        self.ref: TtftReference | None = None
+        self._reads = 0  # readings since the last re-read
+
+    def due(self, engines: int) -> bool:
+        """One more reading, of a fleet of ``engines``: whether the whole fleet is to be
+        re-read now (:meth:`reread`)."""
+        self._reads += 1
+        return self.ref is None or self._reads >= engines
+
+    def reread(self, fits: Sequence[TtftFit]) -> TtftReference | None:
+        """The reference over ``fits`` (every fitted engine's), taken now."""
+        self.ref = ttft_reference(fits, self.sd)
+        self._reads = 0
+        return self.ref
+
+
 def _fit_log(fit: TtftFit) -> float:
     return fit.log
 

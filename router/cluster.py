@@ -49,9 +49,9 @@ from broker.events import (
     RequestStarted,
 )
 from engine_reporter.hashing import block_hash
-from kvgate.cost_model import TtftReference, slower_than, ttft_reference
+from kvgate.cost_model import TtftReference, slower_than
 from router.api import RouteRequest
-from router.cluster_state import TTFT_FIT_MIN_EVIDENCE, TTFT_FIT_SD, ClusterState
+from router.cluster_state import TTFT_FIT_MIN_EVIDENCE, ClusterState
 from router.engine_state import _Engine, _GroupWork, _Inflight
 from router.policies.base import Move
 from router.policies.feasibility import (
@@ -262,17 +262,15 @@ class Cluster(ClusterState):
             return
         if fit.evidence < TTFT_FIT_MIN_EVIDENCE:
             return
-        self._ttft_reads += 1
-        ref = self._ttft_ref
-        if ref is None or self._ttft_reads >= len(self.engines):
+        reference = self._ttft_ref
+        if reference.due(len(self.engines)):
             fitted = [e for e in self.engines.values() if self._ttft_fitted(e)]
-            self._ttft_ref = ref = ttft_reference([e.ttft_fit for e in fitted], TTFT_FIT_SD)
-            self._ttft_reads = 0
+            ref = reference.reread([e.ttft_fit for e in fitted])
             if ref is not None:
                 for e in fitted:
                     self._set_ttft_factor(e, ref)
-        else:
-            self._set_ttft_factor(eng, ref)
+        elif reference.ref is not None:
+            self._set_ttft_factor(eng, reference.ref)
 
     @staticmethod
     def _ttft_fitted(eng: _Engine) -> bool:
@@ -367,15 +365,13 @@ class Cluster(ClusterState):
             return
         if fit.evidence < TTFT_FIT_MIN_EVIDENCE:
             return
-        self._step_reads += 1
-        if self._step_ref is None or self._step_reads >= len(self.engines):
+        if self._step_ref.due(len(self.engines)):
             fitted = [
                 e
                 for e in self.engines.values()
                 if not e.reports_requests and e.step_fit.evidence >= TTFT_FIT_MIN_EVIDENCE
             ]
-            self._step_ref = ttft_reference([e.step_fit for e in fitted], TTFT_FIT_SD)
-            self._step_reads = 0
+            self._step_ref.reread([e.step_fit for e in fitted])
         else:
             fitted = [eng]
         for e in fitted:

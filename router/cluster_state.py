@@ -17,10 +17,10 @@ from kvgate.cost_model import (
     DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_KV_LINK_GBPS,
     CostProfile,
+    FleetReference,
     KvLink,
     OutputFit,
     ProfileError,
-    TtftReference,
     load_profile,
     resolve_announced,
     slower_than,
@@ -159,10 +159,9 @@ class ClusterState:
         self.spec = Speculative(c.speculative_max_entries)
         self.engines: dict[str, _Engine] = {}
         self._inflight: dict[str, _Inflight] = {}  # insertion order = routing order
-        # the fleet's fastest engines as their TTFTs read against the router's predictions, and
-        # the reads since it was last taken (Cluster._fit_ttft)
-        self._ttft_ref: TtftReference | None = None
-        self._ttft_reads = 0
+        # the fleet's fastest engines as their TTFTs read against the router's predictions
+        # (Cluster._fit_ttft)
+        self._ttft_ref = FleetReference(TTFT_FIT_SD)
         # [t, engine, group, prefill_ms, out_tokens]
         self._load: deque[list] = deque()
         # what the window holds, summed over the engines (moves change only whose it is)
@@ -190,13 +189,9 @@ class ClusterState:
         self._replicas: dict[int, tuple[frozenset[str], float]] = {}
         self.events: dict[str, int] = {}
         self.unknown_profiles = 0
-        # behind the vLLM bridge, by profile: the fastest fitted decode factor of the engines
-        # that have shown theirs (the reference their factors are read against) and the engine
-        # holding it (decode_scale)
-        # the fleet's fastest bridged engines' steps (what a bridged engine's decode factor is
-        # read against), and the step fits since it was re-read (Cluster._fit_steps)
-        self._step_ref: TtftReference | None = None
-        self._step_reads = 0
+        # the fleet's fastest bridged engines' steps: what a bridged engine's decode factor is
+        # read against (Cluster._fit_steps, decode_scale)
+        self._step_ref = FleetReference(TTFT_FIT_SD)
         # the profiles the operator gave this router (read here, once): engines' heartbeats may
         # name them (by their names or as given); wire input never names a file
         self._known_profiles: dict[str, CostProfile] = {}
@@ -254,10 +249,15 @@ class ClusterState:
         one not yet read runs as fast as its profile."""
         if eng.reports_requests:
             return eng.speed.decode
-        ref = self._step_ref
+        ref = self._step_ref.ref
         if ref is None or eng.step_fit.evidence < TTFT_FIT_MIN_EVIDENCE:
             return 1.0
         return math.exp(slower_than(eng.step_fit, ref))
+
+    @staticmethod
+    def decode_evidence(eng: _Engine) -> float:
+        """The weight of what :meth:`decode_scale` is read from (0: nothing measured)."""
+        return eng.speed.decode_evidence if eng.reports_requests else eng.step_fit.evidence
 
     def know_profile(self, spec: str) -> CostProfile:
         """Load a profile the operator gave (a name or a path on this host; raises ProfileError)

@@ -326,12 +326,7 @@ class Router:
                         "prefill": round(eng.speed.prefill, 4),
                         "decode": round(cl.decode_scale(eng), 4),
                         "prefill_evidence": round(eng.speed.prefill_evidence, 2),
-                        "decode_evidence": round(
-                            eng.speed.decode_evidence
-                            if eng.reports_requests
-                            else eng.step_fit.evidence,
-                            2,
-                        ),
+                        "decode_evidence": round(cl.decode_evidence(eng), 2),
                     },
                     "hit_ratio_30s": round(ev.hit_ratio, 4),
                     "cached_bytes": cl.tree.held_bytes.get(eng.engine_id, 0),

@@ -299,6 +299,25 @@ def test_ttft_fit_reads_one_engine_against_the_fleets_fastest_and_not_noise() ->
     assert (fast.log, fast.evidence) == before
 
 
+def test_a_fleet_reference_is_re_read_once_in_as_many_readings_as_engines() -> None:
+    """The reference is a fleet-wide figure: due at the first reading, then once in as many
+    readings as the fleet has engines; a re-read over no fitted engine leaves it unset (due
+    again at the next)."""
+    from kvgate.cost_model import FleetReference, TtftFit, ttft_reference
+
+    fits = [TtftFit(), TtftFit()]
+    for f, x in zip(fits, (300.0, 600.0), strict=True):
+        for _ in range(3):
+            f.observe(100.0, x)
+    reference = FleetReference(2.0)
+    assert reference.due(3) and reference.reread([]) is None and reference.ref is None
+    assert reference.due(3)  # (still nothing to read against)
+    assert reference.reread(fits) == ttft_reference(fits, 2.0) == reference.ref
+    assert [reference.due(3) for _ in range(4)] == [False, False, True, True]
+    reference.reread(fits)
+    assert not reference.due(3)
+
+
 def test_output_fit_plans_on_the_cap_until_answers_under_it_have_ended() -> None:
     from kvgate.cost_model import OutputFit
 

@@ -1821,8 +1821,8 @@ def test_a_bridged_engines_predicted_ttft_gives_prefill_its_share_of_the_profile
         return rec.ttft_pred_ms, decode_step_ms(cl.engine_view(eng))
 
     slow_pred, slow_step = predicted()
-    ref = cl._step_ref
-    cl._step_ref = None  # (no reference: its decode read as its profile's)
+    ref = cl._step_ref.ref
+    cl._step_ref.ref = None  # (no reference: its decode read as its profile's)
     plain_pred, plain_step = predicted()
     assert slow_step == pytest.approx(2 * plain_step, rel=0.05) and slow_step > plain_step
     assert slow_pred - slow_step == pytest.approx(plain_pred - plain_step)
@@ -1831,7 +1831,7 @@ def test_a_bridged_engines_predicted_ttft_gives_prefill_its_share_of_the_profile
     hb = eng.heartbeat
     assert hb is not None
     eng.heartbeat = replace(hb, queue_order="deadline")
-    cl._step_ref = ref
+    cl._step_ref.ref = ref
     edf_pred, edf_step = predicted()
     assert edf_step == pytest.approx(slow_step)
     assert edf_pred - edf_step > slow_pred - slow_step
