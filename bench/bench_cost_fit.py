@@ -1,7 +1,7 @@
 """Does the router's online cost model converge? Engines that are not what their profile says.
 
     .venv/bin/python -m bench.bench_cost_fit [--engines 8] [--requests 3000] [--workload tool_use]
-        [--reporting events|bridge]
+        [--reporting events|bridge] [--scheduler slo|fcfs|preble]
 
 A simulated fleet whose engines all announce the default profile, but run truly 2x faster (a
 quarter of them), 2x slower (a quarter) or as announced (the rest). The router fits each
@@ -13,14 +13,15 @@ by 2x) and the fitted factors, with the fit on and off (``ClusterConfig.fit_spee
 attainment and p99 TTFT of e2 both ways. Saves ``results/cost_fit.json`` and a plot.
 
 ``--reporting bridge``: the engines report as a plain vLLM behind the bridge does (KV events and
-heartbeats without prefill timings, no request events, the decode step as vLLM's mean
-inter-token latency), so the only evidence of their prefill speed is the TTFT the gateway sees
-(``Router.first_token``); three runs: by default each engine read against the fleet's fastest
-from every TTFT against the router's prediction (``ClusterConfig.fit_relative_ttft``: the
-fastest is taken as its profile, so the engines truly 2x faster read as announced and the rest
-2x slower than they are), the absolute fit from the TTFTs of requests that found their engine
-idle (``fit_gateway_ttft``, off by default), and neither. Saves
-``results/cost_fit_bridge.json``.
+heartbeats without prefill timings, no request events, the decode step as vLLM's mean inter-token
+latency) and, by default, serve as one does (``--scheduler fcfs``: arrival order, chunked prefill
+mixed into the decode steps; before the fifty-third session they ran kvgate's S-EDF, which no
+deployment puts behind the bridge), so the only evidence of their prefill speed is the TTFT the
+gateway sees (``Router.first_token``); three runs: by default each engine read against the fleet's
+fastest from every TTFT against the router's prediction (``ClusterConfig.fit_relative_ttft``: the
+fastest is taken as its profile, so the engines truly 2x faster read as announced and the rest 2x
+slower than they are), the absolute fit from the TTFTs of requests that found their engine idle
+(``fit_gateway_ttft``, off by default), and neither. Saves ``results/cost_fit_bridge.json``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def run(
     link: LinkConfig | None = None,
     gateway_fit: bool = False,
     relative_fit: bool = True,
+    scheduler: str = "slo",
 ) -> tuple[list[RequestRecord], dict[str, tuple[float, float]], dict]:
     """One simulation; the records, the final fitted factors per engine and the summary."""
     profile = load_profile("mistral-7b-a6000")
@@ -84,7 +86,7 @@ def run(
         ),
         link=link or LinkConfig(),
     )
-    world = build_world("e2", "slo", cfg, predictions=True)
+    world = build_world("e2", scheduler, cfg, predictions=True)
     world.run(reqs, drain_s=cfg.drain_s)
     router = world.router.router  # (the simulator's timing wrapper around the real router)
     factors = {
@@ -170,9 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         help="events: kvgate's engine (request events, step timings); bridge: a plain vLLM "
         "behind the bridge (neither: the gateway's TTFTs are the evidence)",
     )
+    ap.add_argument(
+        "--scheduler",
+        choices=("slo", "fcfs", "preble"),
+        default=None,
+        help="the engines' local scheduler (default: slo with events, fcfs behind the bridge: a "
+        "plain vLLM serves in arrival order)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     bridge = args.reporting == "bridge"
+    scheduler = args.scheduler or ("fcfs" if bridge else "slo")
     out = args.out or (RESULT_BRIDGE if bridge else RESULT)
     names = [f"e{i:02d}" for i in range(args.engines)]
     speeds = dict(zip(names, speeds_for(args.engines), strict=True))
@@ -183,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "load": args.load,
         "reporting": args.reporting,
+        "scheduler": scheduler,
         "true_time_factors": speeds,
     }
     # (key, the engines' link, fit_speed, fit_gateway_ttft, fit_relative_ttft, title)
@@ -208,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, link, fit, gateway_fit, relative_fit, title in runs:
         records, factors, summary = run(
             args.workload, args.engines, args.requests, args.load, fit, args.seed, link,
-            gateway_fit, relative_fit,
+            gateway_fit, relative_fit, scheduler,
         )  # fmt: skip
         series = errors_over_time(records, speeds, args.buckets)
         doc[key] = {

@@ -27,6 +27,19 @@ Three more, written in the fiftieth session after the router's last change:
 * ``fanout``: jobs that send 2-16 requests at once (parallel samples, parallel tool calls) on
   one fresh context of 1,000-6,000 tokens behind one of 20 instruction prompts: a new prefix
   that many requests want before any engine has computed it.
+
+Three more, written in the fifty-third session before any run on them:
+
+* ``hot_prompt``: six in ten requests open with one agent prompt of ~14,000 tokens and a short
+  unique task, the rest are short prompts sharing nothing: a prefix too hot for one engine to
+  prefill behind, beside traffic that only needs balance.
+* ``two_tier``: chat sessions (turns of a few hundred tokens on a growing history, a few seconds
+  apart) beside one-off summaries of long documents (8,000-40,000 tokens, nothing shared, long
+  answers): short turns that must keep their history's engine without queueing behind a huge
+  prefill.
+* ``tenant_bursts``: 60 tenants, each with its own system prompt of 1,500-5,000 tokens, active in
+  bursts of 10-40 seconds at many times their mean rate, then quiet: a prefix that turns hot
+  at once, with no warning, and cold again.
 """
 
 from __future__ import annotations
@@ -193,6 +206,62 @@ def fanout(rng: random.Random, rate: float, duration: float) -> list[dict]:
             lines.append(
                 _line(len(lines), sent, context + suffix, lognormal_int(rng, 250, 0.7, 10, 2000))
             )
+    return _in_order(lines)
+
+
+def hot_prompt(rng: random.Random, rate: float, duration: float, share: float = 0.6) -> list[dict]:
+    ids = _Ids()
+    agent = ids.take(lognormal_int(rng, 14_000, 0.1, 12_000, 16_000))
+    lines = []
+    for i, t in enumerate(arrivals(rng, rate, duration)):
+        if rng.random() < share:
+            prompt = agent + ids.take(lognormal_int(rng, 120, 0.7, 10, 1500))
+        else:
+            prompt = ids.take(lognormal_int(rng, 400, 0.8, 20, 4000))
+        lines.append(_line(i, t, prompt, lognormal_int(rng, 200, 0.7, 10, 1500)))
+    return lines
+
+
+def two_tier(
+    rng: random.Random, rate: float, duration: float, long_share: float = 0.1
+) -> list[dict]:
+    ids = _Ids()
+    lines: list[dict] = []
+    for t in arrivals(rng, rate * long_share, duration):  # the one-off summaries
+        document = ids.take(lognormal_int(rng, 16_000, 0.5, 8_000, 40_000))
+        lines.append(_line(0, t, document, lognormal_int(rng, 500, 0.5, 100, 2000)))
+    for t in arrivals(rng, rate * (1.0 - long_share) / 8.0, duration):  # ~8 turns a session
+        history = ids.take(lognormal_int(rng, 500, 0.6, 50, 3000))  # a system prompt of its own
+        for turn in range(1, rng.randint(2, 14) + 1):
+            history += ids.take(lognormal_int(rng, 150, 0.8, 10, 1500))
+            n_out = lognormal_int(rng, 180, 0.6, 10, 1200)
+            lines.append(_line(0, t, list(history), n_out, turn=turn))
+            history += ids.take(n_out)
+            t += rng.uniform(2.0, 12.0) + 0.02 * n_out  # the answer streams, the user reads
+            if t >= duration:
+                break
+    return _in_order(lines)
+
+
+def tenant_bursts(
+    rng: random.Random, rate: float, duration: float, tenants: int = 60
+) -> list[dict]:
+    ids = _Ids()
+    systems = [ids.take(lognormal_int(rng, 2500, 0.4, 1500, 5000)) for _ in range(tenants)]
+    burst_s, active = 25.0, 4  # bursts of 10-40 s; about four tenants active at once
+    lines: list[dict] = []
+    for start in arrivals(rng, active / burst_s, duration):
+        system = systems[rng.randrange(tenants)]
+        for dt in arrivals(rng, rate / active, rng.uniform(10.0, 40.0)):
+            if start + dt < duration:
+                question = ids.take(lognormal_int(rng, 100, 0.7, 10, 1000))
+                n_out = lognormal_int(rng, 180, 0.6, 10, 1200)
+                lines.append(_line(0, start + dt, system + question, n_out))
+    return _in_order(lines)
+
+
+def _in_order(lines: list[dict]) -> list[dict]:
+    """``lines`` by time, numbered in that order."""
     lines.sort(key=lambda line: line["timestamp"])
     for i, line in enumerate(lines):
         line["chat_id"] = i
@@ -207,6 +276,9 @@ SHAPES: dict[str, Callable[[random.Random, float, float], list[dict]]] = {
     "rag_chunks": rag_chunks,
     "diurnal_docs": diurnal_docs,
     "fanout": fanout,
+    "hot_prompt": hot_prompt,
+    "two_tier": two_tier,
+    "tenant_bursts": tenant_bursts,
 }
 
 

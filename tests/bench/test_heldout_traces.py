@@ -3,6 +3,7 @@ loader as 16-token blocks in seconds, with the sharing each shape claims."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -41,6 +42,9 @@ def test_the_shapes_share_what_they_claim(tmp_path: Path) -> None:
     assert firsts["rag_chunks"] < 0.01  # 4 system prompts
     assert firsts["diurnal_docs"] < 0.5
     assert firsts["fanout"] < 0.1  # 20 instruction prompts
+    assert 0.3 < firsts["hot_prompt"] < 0.5  # one agent prompt for six in ten, the rest alone
+    assert firsts["two_tier"] < 0.35  # sessions of 2-14 turns, a tenth one-off documents
+    assert firsts["tenant_bursts"] < 0.1  # 60 tenants' system prompts
     # an agent's turn resends its parent's context and appends to it
     lines = {line["chat_id"]: line for line in _lines(tmp_path / "agent_sessions.jsonl")}
     turns = [line for line in lines.values() if line["parent_chat_id"] >= 0]
@@ -117,3 +121,48 @@ def test_a_fanout_job_sends_its_requests_at_once_on_one_context(tmp_path: Path) 
     # each request's own suffix (two jobs rarely start within 50 ms of each other)
     one_job = [b for b in bursts if len(b) >= 2 and 81 <= shared_blocks(b) < len(b[0]["hash_ids"])]
     assert len(bursts) > 50 and len(one_job) >= 0.9 * len(bursts)
+
+
+def test_the_hot_prompt_opens_most_requests_and_each_adds_its_own_task(tmp_path: Path) -> None:
+    write("hot_prompt", tmp_path / "h.jsonl", rate=4.0, duration=300.0, seed=8)
+    lines = _lines(tmp_path / "h.jsonl")
+    counts: dict[int, int] = {}
+    for line in lines:
+        counts[line["hash_ids"][0]] = counts.get(line["hash_ids"][0], 0) + 1
+    hot = max(counts, key=counts.__getitem__)
+    agent = [line for line in lines if line["hash_ids"][0] == hot]
+    assert 0.5 < len(agent) / len(lines) < 0.7
+    prompt = agent[0]["hash_ids"][: 12_000 // 16]  # 12,000 tokens of one prompt at least
+    assert all(line["hash_ids"][: len(prompt)] == prompt for line in agent)
+    assert len({tuple(line["hash_ids"]) for line in agent}) == len(agent)  # each its own task
+    assert all(line["input_length"] <= 4000 for line in lines if line["hash_ids"][0] != hot)
+
+
+def test_two_tier_turns_grow_their_history_beside_long_unshared_documents(tmp_path: Path) -> None:
+    write("two_tier", tmp_path / "t.jsonl", rate=4.0, duration=300.0, seed=9)
+    lines = _lines(tmp_path / "t.jsonl")
+    sessions: dict[int, list[dict]] = {}
+    for line in lines:
+        sessions.setdefault(line["hash_ids"][0], []).append(line)
+    documents = [s[0] for s in sessions.values() if len(s) == 1 and s[0]["input_length"] >= 8000]
+    assert 0.05 < len(documents) / len(lines) < 0.2
+    chats = [s for s in sessions.values() if len(s) >= 2]
+    assert chats
+    for chat in chats:  # in time order, each turn resends the one before and adds to it
+        for before, after in itertools.pairwise(chat):
+            assert after["timestamp"] - before["timestamp"] >= 2.0
+            n = len(before["hash_ids"])
+            assert after["hash_ids"][:n] == before["hash_ids"] and len(after["hash_ids"]) > n
+
+
+def test_a_tenant_is_busy_in_bursts_then_quiet(tmp_path: Path) -> None:
+    write("tenant_bursts", tmp_path / "b.jsonl", rate=4.0, duration=600.0, seed=10)
+    times: dict[int, list[float]] = {}
+    for line in _lines(tmp_path / "b.jsonl"):
+        times.setdefault(line["hash_ids"][0], []).append(line["timestamp"])
+    assert 20 <= len(times) <= 60
+    # a tenant's requests come within 40 s of its burst's start: most gaps between two of its
+    # requests are short, and some (between bursts) are long
+    gaps = [b - a for ts in times.values() for a, b in itertools.pairwise(ts)]
+    assert sum(g < 5.0 for g in gaps) > 0.8 * len(gaps)
+    assert any(g > 40.0 for g in gaps)
