@@ -40,6 +40,7 @@ from bench.metrics import RequestRecord
 from bench.sim.runner import SimConfig, build_world
 from bench.sim.world import LinkConfig
 from bench.workloads import WorkloadOptions, build_workload, scale_rate
+from engine.scheduler import POLICIES as SCHEDULERS
 from kvgate.cost_model import load_profile
 from router.cluster_state import ClusterConfig
 
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--scheduler",
-        choices=("slo", "fcfs", "preble"),
+        choices=tuple(SCHEDULERS),
         default=None,
         help="the engines' local scheduler (default: slo with events, fcfs behind the bridge: a "
         "plain vLLM serves in arrival order)",

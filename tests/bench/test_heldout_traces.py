@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -126,10 +127,7 @@ def test_a_fanout_job_sends_its_requests_at_once_on_one_context(tmp_path: Path) 
 def test_the_hot_prompt_opens_most_requests_and_each_adds_its_own_task(tmp_path: Path) -> None:
     write("hot_prompt", tmp_path / "h.jsonl", rate=4.0, duration=300.0, seed=8)
     lines = _lines(tmp_path / "h.jsonl")
-    counts: dict[int, int] = {}
-    for line in lines:
-        counts[line["hash_ids"][0]] = counts.get(line["hash_ids"][0], 0) + 1
-    hot = max(counts, key=counts.__getitem__)
+    hot, _ = Counter(line["hash_ids"][0] for line in lines).most_common(1)[0]
     agent = [line for line in lines if line["hash_ids"][0] == hot]
     assert 0.5 < len(agent) / len(lines) < 0.7
     prompt = agent[0]["hash_ids"][: 12_000 // 16]  # 12,000 tokens of one prompt at least
