@@ -59,10 +59,16 @@ gets a second copy exactly then).
   outstanding work (which spreads new prefixes over full caches evenly); then the injected rng.
 * SLO: an engine that cannot decode the request within its TPOT SLO is skipped (on an
   arrival-order engine: its whole batch's TPOT, and no request decoding there pushed past its
-  own, :func:`router.policies.feasibility.arrival_order_tpot_ms`). The request goes to the
-  cheapest even when none meets its TTFT SLO; it is shed (429, naming the engine it would have
-  gone to) only when even the best would miss by more than ``shed_factor`` x the SLO with
-  nothing overtaking it: shedding is final.
+  own, :func:`router.policies.feasibility.arrival_order_tpot_ms`). The request is routed even
+  when no engine is expected to meet its TTFT SLO; it is shed (429, naming the engine it would
+  have gone to) only when even the best would miss by more than ``shed_factor`` x the SLO with
+  nothing overtaking it: shedding is final. Routed so to engines that refuse a late request
+  while it waits (S-EDF; ``doomed_to_holder``), it goes among the engines holding the most of
+  its key (cached or routed there), the cheapest of them: lost wherever it goes, what is left
+  to choose is where its key is counted, and computed if it runs after all (by cost alone, an
+  overloaded fleet's doomed requests seeded their prefixes on whichever engine was cheapest,
+  and the next requests of a prefix followed them there). An engine serving in arrival order
+  runs such a request ahead of the ones behind it, so there the cost decides.
 * Big fleets: only ``contenders`` engines are scored (the top holders and the least loaded, the
   rest drawn at random), every engine before a shed; of those, an engine whose lower bound on
   ``C_i`` is past the band of the cheapest found is not estimated (``bound_skip``: the same
@@ -96,9 +102,10 @@ gets a second copy exactly then).
 
 Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_filter``,
 ``work_weight=0``, ``idle_free``, ``tie_rel=0,tie_ms=0``, ``spread_by_traffic``,
-``prefer_feasible``, ``miss_penalty=0``, ``pd_balance``, ``rebalance=false``,
-``follow_spare=false``, ``replicate_to_spare=false``, ``room_beside_all_reused=false``,
-``balance_trigger=0``, ``make_way=false``, ``moves_by_fit=false``.
+``prefer_feasible``, ``miss_penalty=0``, ``doomed_to_holder=false``, ``pd_balance``,
+``rebalance=false``, ``follow_spare=false``, ``replicate_to_spare=false``,
+``room_beside_all_reused=false``, ``balance_trigger=0``, ``make_way=false``,
+``moves_by_fit=false``.
 """
 
 from __future__ import annotations
@@ -150,6 +157,11 @@ class E2Config:
     # first token could come: admission control that sheds earlier, before a queue snowballs
     # (more attainment in overload, but a third of what it sheds would have made it)
     shed_expected: bool = False
+    # a request that no engine is expected to serve within its TTFT SLO, on engines that refuse
+    # it while it waits (S-EDF), goes among the engines holding (or routed) the most of its key:
+    # lost wherever it goes, it is where its key is counted and, if it runs after all, computed
+    # (off: the cheapest engine; docs/router.md, *Fifty-fifth session*)
+    doomed_to_holder: bool = True
     tie_rel: float = 0.05  # tie band: within tie_rel x C_min + tie_ms of the cheapest
     tie_ms: float = 5.0
     # within the band, among equal holders with room for the key: the least recent traffic
@@ -302,6 +314,8 @@ class E2(PolicyBase):
                     )
             elif cfg.prefer_feasible:
                 pool = feasible
+        if cfg.doomed_to_holder and _doomed(pool, slo_ms):
+            pool = _most_held(pool, view.matched)
         if not pool:  # (slo_filter off and no engine meets the TPOT SLO: cheapest anyway)
             pool = scored
         finalists = self._band(pool, ctx, view, now)
@@ -849,6 +863,24 @@ def _fallback(best: _Scored | None, scored: Sequence[_Scored]) -> str | None:
     if best is None:
         best = min((s for s in scored if s.est.decode_fits), key=_cost, default=None)
     return best.ev.engine_id if best is not None else None
+
+
+def _doomed(pool: list[_Scored], slo_ms: float) -> bool:
+    """Whether no engine of ``pool`` is expected to give the request its first token within
+    its TTFT SLO, and each would refuse it while it waits (S-EDF): then it costs the others
+    nothing wherever it goes. An engine that serves in arrival order runs it, late, ahead of
+    the requests behind it, so there the cost decides (sent to the holder, such requests
+    queued there and delayed the rest: tool_use 4 homo x2 -3.2 points behind the bridge)."""
+    return not any(_expected(s) <= slo_ms or s.ev.arrival_order for s in pool)
+
+
+def _most_held(pool: list[_Scored], held: Mapping[str, int]) -> list[_Scored]:
+    """The engines of ``pool`` holding the most of the key (cached or routed there); all of
+    them when none holds any."""
+    most = max((held.get(s.ev.engine_id, 0) for s in pool), default=0)
+    if most <= 0:
+        return pool
+    return [s for s in pool if held.get(s.ev.engine_id, 0) == most]
 
 
 def _soonest(s: _Scored) -> float:

@@ -145,6 +145,11 @@ class FakeView:
         self.asked.append(ttft_slo_ms)
         return self.sooner
 
+    def tpot_pushed(
+        self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
+    ) -> int:
+        return 0  # hand-built states: nothing decoding there to push past its TPOT
+
     def decode_release_ms(self, ev: EngineView, now: float, count: int = 1) -> float:
         return self.releases.get(ev.engine_id, 0.0)
 
@@ -466,6 +471,34 @@ def test_e2_prices_a_miss_at_one_slo() -> None:
     assert make_policy("e2").choose(ctx(slo=slo), view(5000.0), 0.0).engine_id == "a"
     with pytest.raises(ValueError, match="miss_penalty"):
         make_policy("e2", {"miss_penalty": -1.0})
+
+
+def test_e2_sends_a_request_no_engine_can_serve_in_time_to_the_holder_of_its_key() -> None:
+    """Expected past its TTFT SLO everywhere (but not far enough past to shed) on S-EDF engines,
+    which refuse it while it waits, a request goes among the engines holding the most of its
+    key, not to the cheapest: it is lost wherever it goes, and at the holder its key stays in
+    one place. Where some engine can meet the SLO, the cost decides as ever."""
+    slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
+
+    def view(queued_b: int) -> FakeView:
+        # a holds the key behind ~3.6 s of queue; b holds none of it
+        engines = [ev("a", hb=_hb(queued=30_000)), ev("b", hb=_hb(queued=queued_b))]
+        return FakeView(engines, matched={"a": 39_000})
+
+    by_cost = make_policy("e2", {"doomed_to_holder": False})
+    d = by_cost.choose(ctx(slo=slo), view(8_000), 0.0)  # b: ~2.2 s, past the SLO too
+    assert d.engine_id == "b"
+    assert min(c.total_ms for c in d.candidates) > slo.ttft_ms
+    d = make_policy("e2").choose(ctx(slo=slo), view(8_000), 0.0)
+    assert (d.engine_id, d.reason, d.shed) == ("a", "exploit", False)
+    # b can meet it (~1.8 s): the cheapest, the holder's key notwithstanding
+    assert make_policy("e2").choose(ctx(slo=slo), view(5_000), 0.0).engine_id == "b"
+    # engines serving in arrival order run a late request ahead of the ones behind it: there
+    # the cost decides (it does not refuse the request, so it is not lost at no one's cost)
+    fifo = view(8_000)
+    fifo.engines = [replace(e, arrival_order=True) for e in fifo.engines]
+    d = make_policy("e2").choose(ctx(slo=slo), fifo, 0.0)
+    assert d.engine_id == by_cost.choose(ctx(slo=slo), fifo, 0.0).engine_id == "b"
 
 
 def test_e2_slo_filter_sheds_only_far_beyond_the_slo() -> None:
