@@ -111,7 +111,7 @@ Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import ClassVar
@@ -315,7 +315,8 @@ class E2(PolicyBase):
             elif cfg.prefer_feasible:
                 pool = feasible
         if cfg.doomed_to_holder and _doomed(pool, slo_ms):
-            pool = _most_held(pool, view.matched)
+            routed = view.matched
+            pool = _most_held(pool, lambda s: routed.get(s.ev.engine_id, 0))
         if not pool:  # (slo_filter off and no engine meets the TPOT SLO: cheapest anyway)
             pool = scored
         finalists = self._band(pool, ctx, view, now)
@@ -332,8 +333,8 @@ class E2(PolicyBase):
             heavy = [s for s in finalists if s.ev.hit_ratio >= cfg.pd_hit_ratio]
             if heavy and len(heavy) < len(finalists):
                 finalists, reason = heavy, "pd_balance"
-        most = max(s.matched for s in finalists)
-        holders = [s for s in finalists if s.matched == most]
+        holders = _most_held(finalists, _credited)
+        most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
@@ -874,13 +875,18 @@ def _doomed(pool: list[_Scored], slo_ms: float) -> bool:
     return not any(_expected(s) <= slo_ms or s.ev.arrival_order for s in pool)
 
 
-def _most_held(pool: list[_Scored], held: Mapping[str, int]) -> list[_Scored]:
-    """The engines of ``pool`` holding the most of the key (cached or routed there); all of
-    them when none holds any."""
-    most = max((held.get(s.ev.engine_id, 0) for s in pool), default=0)
+def _most_held(pool: list[_Scored], held: Callable[[_Scored], int]) -> list[_Scored]:
+    """The engines of ``pool`` holding the most of the key by ``held`` (bytes); all of them
+    when none holds any."""
+    most = max((held(s) for s in pool), default=0)
     if most <= 0:
         return pool
-    return [s for s in pool if held.get(s.ev.engine_id, 0) == most]
+    return [s for s in pool if held(s) == most]
+
+
+def _credited(s: _Scored) -> int:
+    """The key bytes cached for the request there (routed ones only behind their computer)."""
+    return s.matched
 
 
 def _soonest(s: _Scored) -> float:
