@@ -324,7 +324,10 @@ class LoadHeartbeat:
     ``prefill_ms`` (an engine that times no step, a vLLM behind the bridge: ``decode_step_ms`` is
     then its mean inter-token latency, prefill mixed into the steps) the interval's prefill, as
     the profile prices it, is spread over its ``decode_tokens / decode_batch`` steps, and the
-    interval still says how fast the engine runs.
+    interval still says how fast the engine runs. ``prefill_chunk_tokens`` (optional) is the
+    most new tokens of one prompt the engine prefills in one piece (None: whole prompts, or not
+    known): each piece attends to the ones before it, so routers price a long prompt's prefill
+    piece by piece (:meth:`kvgate.cost_model.CostProfile.prompt_prefill_ms`).
     """
 
     KIND: ClassVar[str] = "hb"
@@ -346,6 +349,7 @@ class LoadHeartbeat:
     queue_order: str = "deadline"
     kv_blocks_held: int | None = None
     decode_tokens: int | None = None
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -381,6 +385,10 @@ class LoadHeartbeat:
             _check_count("kv_blocks_held", self.kv_blocks_held)
         if self.decode_tokens is not None:
             _check_count("decode_tokens", self.decode_tokens)
+        if self.prefill_chunk_tokens is not None:
+            _check_count("prefill_chunk_tokens", self.prefill_chunk_tokens)
+            if self.prefill_chunk_tokens < 1:
+                raise EventError("prefill_chunk_tokens must be at least 1")
 
 
 Event = (

@@ -434,6 +434,7 @@ class ClusterState:
                 unannounced_bytes=int(max(eng.open_prefill_tokens, 0) * per_token),
                 key_bytes_per_token=per_token,
                 arrival_order=hb is not None and hb.queue_order == "arrival",
+                prefill_chunk_tokens=(hb.prefill_chunk_tokens or 0) if hb is not None else 0,
             )
         return v
 

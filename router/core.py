@@ -346,6 +346,7 @@ class Router:
                         "kv_blocks_held": hb.kv_blocks_held,
                         "vbs": hb.vbs,
                         "queue_order": hb.queue_order,
+                        "prefill_chunk_tokens": hb.prefill_chunk_tokens,
                     },
                 }
             )

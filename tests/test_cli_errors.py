@@ -191,3 +191,18 @@ def test_replay_that_no_request_survives_says_why_and_fails(
     err = capsys.readouterr().err
     assert "no request succeeded; the first failed with status 0:" in err
     assert f"127.0.0.1:{dead}" in err
+
+
+def test_the_bridge_announces_the_prefill_chunk_it_is_told_and_refuses_nonsense() -> None:
+    """``--prefill-chunk-tokens`` (vLLM's --max-num-batched-tokens) goes into the bridge's
+    heartbeats; a count below one is an error before anything starts."""
+    from engine_reporter.vllm.cli import build_config
+
+    argv = ["bridge", "vllm", "--zmq", "tcp://127.0.0.1:18401", "--model-dir", ".",
+            "--engine-url", "http://127.0.0.1:18402", "--broker", "memory://"]  # fmt: skip
+    parser = build_parser()
+    assert build_config(parser.parse_args(argv)).prefill_chunk_tokens is None
+    told = parser.parse_args([*argv, "--prefill-chunk-tokens", "2048"])
+    assert build_config(told).prefill_chunk_tokens == 2048
+    with pytest.raises(SystemExit, match="--prefill-chunk-tokens must be at least 1"):
+        build_config(parser.parse_args([*argv, "--prefill-chunk-tokens", "0"]))

@@ -193,8 +193,16 @@ def test_records_of_other_versions_decode_or_name_their_arity() -> None:
         bad = orjson.dumps(["e1", "ep", 0, [[*held, wrong]]])
         with pytest.raises(ValueError, match="decode_tokens"):
             decode_batch({b"v": b"1", b"h": bad, b"b": b""})
-    newer = orjson.dumps(["e1", "ep", 0, [[*tokens, "extra"]]])
-    with pytest.raises(CodecError, match="11 to 20 items"):
+    assert env.event.prefill_chunk_tokens is None  # (whole prompts, or not known)
+    chunked = [*tokens, 8192]  # the most prompt tokens it prefills in one piece, added last
+    (env,) = decode_batch({b"v": b"1", b"h": orjson.dumps(["e1", "ep", 0, [chunked]]), b"b": b""})
+    assert env.event.prefill_chunk_tokens == 8192 and env.event.decode_tokens == 40
+    for wrong in (0, -1, 2.5, "8192"):
+        bad = orjson.dumps(["e1", "ep", 0, [[*tokens, wrong]]])
+        with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+            decode_batch({b"v": b"1", b"h": bad, b"b": b""})
+    newer = orjson.dumps(["e1", "ep", 0, [[*chunked, "extra"]]])
+    with pytest.raises(CodecError, match="11 to 21 items"):
         decode_batch({b"v": b"1", b"h": newer, b"b": b""})
     # a finished request's cap (what routers learn answers' lengths against) came later too
     old_fi = orjson.dumps(["e1", "ep", 0, [["fi", 1.0, "r1", 120, 50.0, 20.0]]])

@@ -53,6 +53,25 @@ def test_default_profile_matches_preble_equation() -> None:
     assert p.block_bytes == 64
 
 
+def test_a_chunked_prompt_pays_each_chunks_attention_to_the_ones_before_it() -> None:
+    """An engine that prefills a long prompt in pieces runs each piece with the earlier ones
+    as its context: the prompt costs the pieces' sum, more than one piece of it (whose
+    attention the profile's linear fit averages in), and the same where it fits in a piece."""
+    p = default_profile()
+    assert p.prompt_prefill_ms(5000, 0, 8192) == p.prefill_ms(5000)
+    assert p.prompt_prefill_ms(5000, 300, 0) == p.prefill_ms(5000, 300)
+    pieces = p.prefill_ms(8192) + p.prefill_ms(8192, 8192) + p.prefill_ms(7616, 16384)
+    assert p.prompt_prefill_ms(24000, 0, 8192) == pytest.approx(pieces)
+    assert p.prompt_prefill_ms(24000, 0, 8192) > 1.15 * p.prefill_ms(24000)
+    # smaller pieces attend more (each to more of the prompt's own context, in more pieces)
+    assert p.prompt_prefill_ms(24000, 0, 2048) > p.prompt_prefill_ms(24000, 0, 8192)
+    # a cached prefix is every piece's context
+    assert p.prompt_prefill_ms(9000, 4000, 8192) == pytest.approx(
+        p.prefill_ms(8192, 4000) + p.prefill_ms(808, 12192)
+    )
+    assert p.prompt_prefill_ms(0, 100, 8192) == 0.0
+
+
 def test_extra_prefill_is_the_tokens_share_without_a_prefills_fixed_cost() -> None:
     """What recomputing evicted tokens adds to the prefill of the request that wants them: the
     curve's last segment's slope, and their attention to the context, not a prefill of their

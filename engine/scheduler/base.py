@@ -96,6 +96,12 @@ class Policy(Protocol):
         """Why ``st`` is refused at once, or None to queue it."""
         ...
 
+    def prompt_chunk_tokens(self, config: SchedulerConfig) -> int | None:
+        """The most new tokens of one prompt it prefills in one piece (None: whole prompts),
+        as heartbeats announce it to routers: each piece attends to the ones before it, so a
+        long prompt costs more chunked (:meth:`kvgate.cost_model.CostProfile.prompt_prefill_ms`)."""
+        ...
+
     def plan(self, view: SchedView, now: float) -> StepPlan:
         """The next step (an empty plan when there is nothing to run)."""
         ...

@@ -145,6 +145,7 @@ class SchedBook:
             prefill_ms=prefill_ms,
             prefill_plan_ms=prefill_plan_ms,
             queue_order=self.policy.queue_order,
+            prefill_chunk_tokens=self.policy.prompt_chunk_tokens(self.config),
         )
 
     # ------------------------------------------------------------------ bookkeeping

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from engine.scheduler.base import Refusal, SchedView
 from engine.scheduler.chunked import chunked_step
-from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
+from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 
 
 class FcfsPolicy:
@@ -19,6 +19,9 @@ class FcfsPolicy:
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         return None
+
+    def prompt_chunk_tokens(self, config: SchedulerConfig) -> int | None:
+        return config.chunked_budget  # (at most: decode tokens share each step's budget)
 
     def plan(self, view: SchedView, now: float) -> StepPlan:
         return chunked_step(view, now, list(view.waiting))

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from engine.scheduler.base import Refusal, SchedView
 from engine.scheduler.chunked import chunked_step
-from engine.scheduler.state import PrefillUnit, ReqState, StepPlan
+from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 
 GROUPS = 10
 
@@ -46,6 +46,9 @@ class PreblePolicy:
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         return None
+
+    def prompt_chunk_tokens(self, config: SchedulerConfig) -> int | None:
+        return config.chunked_budget  # (at most: decode tokens share each step's budget)
 
     def plan(self, view: SchedView, now: float) -> StepPlan:
         return chunked_step(view, now, self._order(view))

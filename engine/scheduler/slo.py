@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 
 from engine.scheduler.base import Refusal, SchedView
-from engine.scheduler.state import Phase, PrefillUnit, ReqState, StepPlan
+from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig, StepPlan
 from kvgate.cost_model import prefill_share
 
 Key = tuple[int, float, int]
@@ -68,6 +68,9 @@ class SloPolicy:
     caches_chunks = False
 
     # ------------------------------------------------------------------ interface
+
+    def prompt_chunk_tokens(self, config: SchedulerConfig) -> int | None:
+        return config.chunk_tokens
 
     def check_submit(self, view: SchedView, st: ReqState, now: float) -> Refusal | None:
         pred_ms = view.predict(min(st.prefill_tokens, view.config.chunk_tokens))

@@ -75,6 +75,9 @@ class BridgeConfig:
     topic: str = ""
     profile: str = DEFAULT_PROFILE
     role: str = "both"  # prefill, decode or both: the vLLM's part in a disaggregated fleet
+    # vLLM's --max-num-batched-tokens, announced as the most prompt tokens it prefills in one
+    # piece (None: not announced; routers then price a prompt's prefill in one piece)
+    prefill_chunk_tokens: int | None = None
     models: tuple[str, ...] = ()
     metrics_interval_s: float = 0.2
     heartbeat_interval_s: float = 1.0
@@ -437,6 +440,7 @@ class VllmBridge:
             fallback_blocks=self._fallback_blocks,
             role=cfg.role,
             decode=decode,
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens,
         )
         last = self._load.last_hb
         if last is None or last != hb or now - self._load.last_hb_at >= cfg.heartbeat_interval_s:

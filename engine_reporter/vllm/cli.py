@@ -91,6 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "connector; default: %(default)s)",
     )
     p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        metavar="N",
+        help="vLLM's --max-num-batched-tokens (the most prompt tokens it prefills in one step), "
+        "announced so that routers price a long prompt chunk by chunk, each chunk attending to "
+        "the ones before it (default: not announced; routers price a prompt in one piece)",
+    )
+    p.add_argument(
         "--served-model",
         action="append",
         default=[],
@@ -128,6 +136,8 @@ def build_config(args: argparse.Namespace) -> BridgeConfig:
 
     if args.poll_ms <= 0 or args.heartbeat_s <= 0 or args.replay_timeout_s <= 0:
         raise SystemExit("--poll-ms, --heartbeat-s and --replay-timeout-s must be positive")
+    if args.prefill_chunk_tokens is not None and args.prefill_chunk_tokens < 1:
+        raise SystemExit("--prefill-chunk-tokens must be at least 1")
     return BridgeConfig(
         zmq_endpoint=args.zmq,
         zmq_bind=args.zmq_bind,
@@ -138,6 +148,7 @@ def build_config(args: argparse.Namespace) -> BridgeConfig:
         engine_url=args.engine_url.rstrip("/"),
         profile=args.profile,
         role=args.role,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         models=tuple(args.served_model),
         metrics_interval_s=args.poll_ms / 1000.0,
         heartbeat_interval_s=args.heartbeat_s,

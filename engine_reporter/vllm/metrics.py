@@ -244,9 +244,11 @@ def build_heartbeat(
     fallback_blocks: int,
     role: str = "both",
     decode: DecodeFigures | None = None,
+    prefill_chunk_tokens: int | None = None,
 ) -> LoadHeartbeat:
     """The heartbeat for one scrape (see the module docstring for each field; ``decode``:
-    :func:`decode_figures` of the interval since the previous one)."""
+    :func:`decode_figures` of the interval since the previous one; ``prefill_chunk_tokens``:
+    vLLM's token budget a step, as the operator gave it, or None)."""
     total = load.kv_blocks_total or fallback_blocks
     used = round((load.kv_usage or 0.0) * total)
     queued = 0
@@ -273,6 +275,7 @@ def build_heartbeat(
         # vLLM's own scheduler: first come first served, nothing rejected for its SLO (an
         # engine running kvgate's SloScheduler reports its heartbeats itself)
         queue_order="arrival",
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
 
 

@@ -82,6 +82,9 @@ class EngineView:
     # its heartbeat says it serves prefill in arrival order (``LoadHeartbeat.queue_order``:
     # vLLM's own scheduler), not S-EDF: nothing overtakes a queued request, nothing is dropped
     arrival_order: bool = False
+    # the most new tokens of one prompt it prefills in one piece (0: whole prompts; its
+    # heartbeat's ``prefill_chunk_tokens``): P_i is priced piece by piece
+    prefill_chunk_tokens: int = 0
 
     def __init__(
         self,
@@ -120,6 +123,7 @@ class EngineView:
         unannounced_bytes: int = 0,
         key_bytes_per_token: float = 0.0,
         arrival_order: bool = False,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.url = url
@@ -156,6 +160,7 @@ class EngineView:
         self.unannounced_bytes = unannounced_bytes
         self.key_bytes_per_token = key_bytes_per_token
         self.arrival_order = arrival_order
+        self.prefill_chunk_tokens = prefill_chunk_tokens
 
     def kv_key_bytes(self, tokens: float) -> float:
         """``tokens`` of KV in the key bytes this engine's cache holds a token (the unit of
@@ -179,7 +184,8 @@ def kv_blocks(profile: CostProfile, heartbeat: LoadHeartbeat | None) -> int:
     return heartbeat.kv_blocks_total if heartbeat is not None else profile.kv_blocks
 
 
-PrefillCache = dict[tuple[str, int, int], float]  # (profile, key bytes, matched bytes) -> ms
+# (profile, key bytes, matched bytes, chunk tokens) -> ms
+PrefillCache = dict[tuple[str, int, int, int], float]
 
 
 def prefill_cost_ms(ev: EngineView, key_len: int, matched: int, cache: PrefillCache) -> float:
@@ -187,18 +193,23 @@ def prefill_cost_ms(ev: EngineView, key_len: int, matched: int, cache: PrefillCa
     part), on ``ev``'s profile at its fitted speed; the profile's time is memoised in ``cache``
     (most engines share a value; a policy may keep one across decisions, as keys of one size
     recur)."""
-    return prefill_cost_ms_for(ev.profile, key_len, cache, matched) * ev.prefill_scale
+    return (
+        prefill_cost_ms_for(ev.profile, key_len, cache, matched, ev.prefill_chunk_tokens)
+        * ev.prefill_scale
+    )
 
 
 def prefill_cost_ms_for(
-    prof: CostProfile, key_len: int, cache: PrefillCache, matched: int = 0
+    prof: CostProfile, key_len: int, cache: PrefillCache, matched: int = 0, chunk: int = 0
 ) -> float:
-    """:func:`prefill_cost_ms` for a profile."""
-    ck = (prof.name, key_len, matched)
+    """:func:`prefill_cost_ms` for a profile, on an engine that prefills a prompt in pieces of
+    at most ``chunk`` new tokens (0: in one)."""
+    ck = (prof.name, key_len, matched, chunk)
     p = cache.get(ck)
     if p is None:
         cached = prof.cached_tokens_for_bytes(matched)
-        p = cache[ck] = prof.prefill_ms(max(prof.tokens_for_bytes(key_len) - cached, 1), cached)
+        new = max(prof.tokens_for_bytes(key_len) - cached, 1)
+        p = cache[ck] = prof.prompt_prefill_ms(new, cached, chunk)
     return p
 
 

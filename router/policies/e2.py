@@ -19,8 +19,10 @@ The cost of engine ``i``::
 
 * ``TTFT_i``, the router's latency model (:mod:`router.policies.feasibility`): the prefill the
   engine's S-EDF scheduler runs first (``queue_i``: work due no later that can still make its
-  deadline), this request's own prefill after its cached whole blocks (Preble's ``P``), slowed
-  by the GPU share the decode batch takes (``share_i``) and stretched by the work due sooner
+  deadline), this request's own prefill after its cached whole blocks (Preble's ``P``; on an
+  engine that announces it prefills a prompt in chunks, chunk by chunk, each attending to the
+  ones before it: :meth:`kvgate.cost_model.CostProfile.prompt_prefill_ms`), slowed by the GPU
+  share the decode batch takes (``share_i``) and stretched by the work due sooner
   that will arrive and overtake it (``stretch_i = 1 / (1 - busy_i x sooner)``), plus any wait
   for SCORPIO's VBS admission or for KV memory (``admit_i``) and the decode iteration before
   the first prefill slice (``D_i``). On an engine that serves in arrival order (vLLM's own

@@ -7,6 +7,7 @@ from engine_testkit import core, first_token_times, req, run_until
 
 from broker.events import RequestStarted
 from engine.scheduler.preble import PreblePolicy, group_quota, hit_group
+from kvgate.cost_model import default_profile
 
 
 def test_fcfs_serves_in_arrival_order_and_never_rejects_for_slo() -> None:
@@ -29,6 +30,36 @@ def test_heartbeats_announce_the_order_the_prefill_queue_is_served_in(
     """Routers predict a request's wait from it: S-EDF lets a request due sooner overtake and
     rejects one past saving; the baselines serve their queue first come first served."""
     assert core(policy).heartbeat("http://127.0.0.1:1", ("m",)).queue_order == order
+
+
+@pytest.mark.parametrize(
+    ("policy", "config", "chunk"),
+    [
+        ("slo", {"chunk_tokens": 4096}, 4096),
+        ("fcfs", {"chunked_budget": 512}, 512),
+        ("preble", {}, 2048),
+    ],
+)
+def test_heartbeats_announce_the_most_prompt_tokens_prefilled_in_one_piece(
+    policy: str, config: dict, chunk: int
+) -> None:
+    """Routers price a long prompt piece by piece from it (each piece attends to the ones
+    before it): S-EDF's chunks, the baselines' token budget a step."""
+    hb = core(policy, **config).heartbeat("http://127.0.0.1:1", ("m",))
+    assert hb.prefill_chunk_tokens == chunk
+
+
+def test_a_long_prompt_alone_takes_what_its_announced_chunks_cost() -> None:
+    """What the heartbeat announces is what the engine does: a prompt four chunks long, alone
+    on an idle S-EDF engine, gives its first token when the profile's four pieces (each with the
+    earlier ones as context) are done, not its one-piece time."""
+    prof = default_profile()
+    c = core("slo", profile=prof, chunk_tokens=4096)
+    chunk = c.heartbeat("http://127.0.0.1:1", ("m",)).prefill_chunk_tokens
+    c.submit(req("long", 16_000, ttft_ms=60_000), 0.0)
+    ft = first_token_times(run_until(c, 30.0))
+    assert ft["long"] == pytest.approx(prof.prompt_prefill_ms(16_000, 0, chunk) / 1000, rel=0.02)
+    assert ft["long"] > 1.1 * prof.prefill_ms(16_000) / 1000
 
 
 def test_fcfs_chunks_long_prompts_and_decodes_everyone_every_step() -> None:

@@ -1879,3 +1879,30 @@ def test_the_gateways_word_on_answers_lengths_counts_only_for_engines_that_do_no
     f.router.report("x", "e0", "failed", 2.0, 10, 4096)  # a failed answer teaches nothing
     assert cl.output_fit.expected(4096) == 300
     assert not cl.gateway_answer("nobody", 4096, 10) and not cl.gateway_answer("e0", 0, 10)
+
+
+def test_a_long_prompt_is_priced_in_the_pieces_its_engine_announces() -> None:
+    """An engine that prefills a prompt in chunks (its heartbeat's ``prefill_chunk_tokens``)
+    runs each chunk with the earlier ones as context: a 24k-token prompt costs it the pieces'
+    sum, a third more than its one-piece time in 2,048-token chunks. The router prices P_i so (on an
+    engine that announces nothing, in one piece), and of two idle engines the one that
+    prefills it in one piece is the cheaper."""
+    f = Fleet(n=2)
+    f.heartbeat("e0", 0.5, prefill_chunk_tokens=2048)
+    view, chunked = _view(f, 1.0, "e0")
+    whole = view.engine("e1")
+    assert (chunked.prefill_chunk_tokens, whole.prefill_chunk_tokens) == (2048, 0)
+    key = bytes(range(256)) * 375  # 96,000 bytes: 24,000 tokens
+    prof = chunked.profile
+    tokens = prof.tokens_for_bytes(len(key))
+    assert prefill_cost_ms(chunked, len(key), 0, {}) == pytest.approx(
+        prof.prompt_prefill_ms(tokens, 0, 2048)
+    )
+    assert prefill_cost_ms(whole, len(key), 0, {}) == pytest.approx(prof.prefill_ms(tokens))
+    assert prof.prompt_prefill_ms(tokens, 0, 2048) > 1.3 * prof.prefill_ms(tokens)
+    ctx = RequestContext(RouteRequest("long", "m", key, tokens, 50), len(key), 0)
+    assert estimate(chunked, ctx, 0, view, 1.0, {}, 0).own_ms == pytest.approx(
+        prof.prompt_prefill_ms(tokens, 0, 2048)
+    )
+    d = f.route("long", key, 1.0, slo=Slo(60_000.0, 1000.0))
+    assert (d.engine_id, d.reason) == ("e1", "explore")

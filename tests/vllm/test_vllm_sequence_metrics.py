@@ -87,6 +87,11 @@ def test_metrics_to_heartbeat() -> None:
     assert (hb.waiting, hb.running, hb.vbs) == (3, 2, 2.0)
     assert hb.url == "http://127.0.0.1:8111" and hb.models == ("tiny",)
     assert hb.queue_order == "arrival"  # vLLM's own scheduler: first come first served
+    assert hb.prefill_chunk_tokens is None  # (not known unless the operator says)
+    told = build_heartbeat(
+        load, url="http://x:1", models=(), profile="p", fallback_blocks=7, prefill_chunk_tokens=2048
+    )
+    assert told.prefill_chunk_tokens == 2048  # (--prefill-chunk-tokens: its token budget a step)
 
 
 def test_older_metric_names_and_missing_figures() -> None:
