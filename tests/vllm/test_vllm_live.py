@@ -63,10 +63,14 @@ def vllm_model_dir() -> Path:
 HTTP_ERRORS = (urllib.error.URLError, OSError, ValueError)
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, bytes]:
+def http(
+    method: str, url: str, body: dict | None = None, timeout: float = 60, token: str = ""
+) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"content-type": "application/json"})  # fmt: skip
+    headers = {"content-type": "application/json"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -74,6 +78,8 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 60) -
         return exc.code, exc.read()
 
 
+ADMIN_TOKEN = "live-test"
+CHUNK_A = 256  # engine a's bridge announces vLLM's step budget (engine b's announces none)
 P1 = "Ledger of the harbour master, volume one. " + "Ships arrived, cargo was weighed. " * 12
 P2 = "Notes from the observatory on cold nights. " + "The sky was clear, stars counted. " * 12
 
@@ -141,11 +147,14 @@ def gateway(
                "--model-dir", str(model_dir), "--engine-url", e.url,
                "--engine-id", f"vllm-{e.name}",
                "--broker", redis_url, "--broker-prefix", redis_prefix]  # fmt: skip
+        if e.name == "a":
+            cmd += ["--prefill-chunk-tokens", str(CHUNK_A)]
         log = (tmp_path / f"bridge-{e.name}.log").open("w")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     port = free_port()
     cmd = [KVGATE, "gateway", "--port", str(port), "--broker-url", redis_url,
-           "--broker-prefix", redis_prefix, "--chat-template", str(model_dir)]  # fmt: skip
+           "--broker-prefix", redis_prefix, "--chat-template", str(model_dir),
+           "--admin-token", ADMIN_TOKEN]  # fmt: skip
     log = (tmp_path / "gateway.log").open("w")
     procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     url = f"http://127.0.0.1:{port}"
@@ -226,3 +235,14 @@ def test_chat_prefix_seeded_directly_is_routed_there(engines: list[Engine], gate
         engines, lambda: chat(gateway, [system, {"role": "user", "content": "second"}])
     )
     assert e is target and hit_tokens >= 128
+
+
+def test_the_router_reads_the_prefill_chunk_a_bridge_announces(gateway: str) -> None:
+    """A bridge told vLLM's step budget (``--prefill-chunk-tokens``) announces it in every
+    heartbeat, and the router prices that engine's long prompts chunk by chunk; a bridge told
+    nothing announces nothing."""
+    status, body = http("GET", f"{gateway}/admin/router", token=ADMIN_TOKEN)
+    assert status == 200, body
+    heartbeats = {e["engine_id"]: e["heartbeat"] for e in json.loads(body)["engines"]}
+    assert heartbeats["vllm-a"]["prefill_chunk_tokens"] == CHUNK_A
+    assert heartbeats["vllm-b"]["prefill_chunk_tokens"] is None
