@@ -70,6 +70,17 @@ def test_a_chunked_prompt_pays_each_chunks_attention_to_the_ones_before_it() -> 
         p.prefill_ms(8192, 4000) + p.prefill_ms(808, 12192)
     )
     assert p.prompt_prefill_ms(0, 100, 8192) == 0.0
+    # summed in closed form: the same as pricing each piece in turn, wherever the attention
+    # threshold falls among the pieces (and a tiny chunk is no slower to price)
+    for n, c, k in [(24000, 0, 8192), (9000, 4000, 8192), (5000, 0, 64), (40001, 3, 1000),
+                    (16384, 0, 8192), (1_000_000, 0, 16), (3000, 2_000_000, 512)]:  # fmt: skip
+        total, left, ctx = 0.0, n, c
+        while left > 0:
+            piece = min(k, left)
+            total += p.prefill_ms(piece, ctx)
+            ctx += piece
+            left -= piece
+        assert p.prompt_prefill_ms(n, c, k) == pytest.approx(total, rel=1e-9)
 
 
 def test_extra_prefill_is_the_tokens_share_without_a_prefills_fixed_cost() -> None:
