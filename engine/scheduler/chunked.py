@@ -13,13 +13,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.scheduler.base import SchedView
-from engine.scheduler.state import ReqState, StepPlan
+from engine.scheduler.state import ReqState, SchedulerConfig, StepPlan
+
+
+def step_chunk_tokens(config: SchedulerConfig) -> int:
+    """The most new tokens of one prompt a step prefills: the step's token budget (at most:
+    the decode tokens share it), what the baselines announce to routers."""
+    return config.chunked_budget
 
 
 def chunked_step(view: SchedView, now: float, order: Iterable[ReqState]) -> StepPlan:
     """One mixed decode + chunked-prefill step, admitting new requests from ``order``."""
     decode = list(view.decoding)
-    budget = view.config.chunked_budget - len(decode)
+    budget = step_chunk_tokens(view.config) - len(decode)
     pieces: list[tuple[ReqState, int]] = []
     for st in view.prefilling:
         if budget <= 0:

@@ -8,7 +8,7 @@ nothing is rejected for its SLO and nothing is preempted.
 from __future__ import annotations
 
 from engine.scheduler.base import Refusal, SchedView
-from engine.scheduler.chunked import chunked_step
+from engine.scheduler.chunked import chunked_step, step_chunk_tokens
 from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 
 
@@ -21,7 +21,7 @@ class FcfsPolicy:
         return None
 
     def prompt_chunk_tokens(self, config: SchedulerConfig) -> int | None:
-        return config.chunked_budget  # (at most: decode tokens share each step's budget)
+        return step_chunk_tokens(config)
 
     def plan(self, view: SchedView, now: float) -> StepPlan:
         return chunked_step(view, now, list(view.waiting))

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from engine.scheduler.base import Refusal, SchedView
-from engine.scheduler.chunked import chunked_step
+from engine.scheduler.chunked import chunked_step, step_chunk_tokens
 from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 
 GROUPS = 10
@@ -48,7 +48,7 @@ class PreblePolicy:
         return None
 
     def prompt_chunk_tokens(self, config: SchedulerConfig) -> int | None:
-        return config.chunked_budget  # (at most: decode tokens share each step's budget)
+        return step_chunk_tokens(config)
 
     def plan(self, view: SchedView, now: float) -> StepPlan:
         return chunked_step(view, now, self._order(view))
