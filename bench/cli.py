@@ -390,6 +390,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=_floats, default=(1.0,), help="one or more, e.g. 1,2,4")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--cprofile", type=Path, default=None, help="write cProfile files here")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write every request's record, one JSON line each, to "
+        "DIR/POLICY-SCHEDULER-xRATE.jsonl: its engine, the router's reason and predicted TTFT "
+        "there, cached tokens, TTFT, status and whether it met its SLOs (why a policy lost)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "sim.json")
 
     p = sub.add_parser("fidelity", help="the same slice live and simulated; TTFT error")
@@ -434,6 +443,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--kinds", type=_names, default=None, help="homo, hetero")
     p.add_argument("--rates", type=_floats, default=None, help="multiples of the knee")
     p.add_argument("--seeds", type=_ints, default=None, help="e.g. 0,1,2 (knee from the first)")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write every run's requests, one JSON line each, to "
+        "DIR/WORKLOAD-FLEET-KIND-xRATE-POLICY-sSEED.jsonl (engine, the router's reason and "
+        "predicted TTFT there, cached tokens, TTFT, status, SLO met): why a policy lost a cell; "
+        "narrow the matrix to that cell with --workloads, --fleets, --kinds and --rates",
+    )
     p.add_argument(
         "--workload-seed",
         type=int,
@@ -667,6 +686,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         rate_scales=args.rate_scale,
         sim=_sim_config(args),
         profile_dir=str(args.cprofile) if args.cprofile else None,
+        records_dir=str(args.records) if args.records else None,
     )
     result = sweep(spec, jobs=args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -769,7 +789,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvgate bench matrix: {exc}", file=sys.stderr)
         return 2
-    doc = run_matrix(spec, jobs=args.jobs, out=args.out, knees=knees)
+    doc = run_matrix(spec, jobs=args.jobs, out=args.out, knees=knees, records_dir=args.records)
     print(format_verdict(doc["verdict"]))
     for skipped in doc.get("skipped", ()):
         print(f"skipped (no knee): {skipped['why']}")

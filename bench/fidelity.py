@@ -20,9 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import orjson
-
-from bench.metrics import RequestRecord, summarize
+from bench.metrics import RequestRecord, summarize, write_records
 from bench.replay import ReplayConfig, replay
 from bench.sim.policies import make_router
 from bench.sim.runner import SimConfig, engine_ids, run_one
@@ -170,13 +168,6 @@ def common_ttft(live: list[RequestRecord], sim: list[RequestRecord]) -> dict:
         4,
     )
     return out
-
-
-def write_records(path: Path, records: list[RequestRecord]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:
-        for rec in records:
-            fh.write(orjson.dumps(rec.to_dict()) + b"\n")
 
 
 async def run_fidelity(spec: FidelitySpec, records_prefix: Path | None = None) -> dict:

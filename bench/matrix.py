@@ -55,7 +55,8 @@ from pathlib import Path
 import orjson
 
 from bench import read_json
-from bench.sim.runner import SimConfig, run_one
+from bench.metrics import RequestRecord, write_records
+from bench.sim.runner import SimConfig, run_file_stem, run_one
 from bench.sim.world import LinkConfig
 from bench.workloads import Request, WorkloadOptions, build_workload, scale_rate, trace_format
 from kvgate.cost_model import load_profile
@@ -337,14 +338,27 @@ def load_spread(busy: Sequence[float], slow: Sequence[int]) -> float | None:
 
 
 def run_cell_policy(
-    spec: MatrixSpec, workload: str, fleet: int, kind: str, policy: str, scale: float, seed: int
+    spec: MatrixSpec,
+    workload: str,
+    fleet: int,
+    kind: str,
+    policy: str,
+    scale: float,
+    seed: int,
+    records: Path | None = None,
 ) -> dict:
-    """One policy on one cell: the compact figures."""
+    """One policy on one cell: the compact figures (``records``: every request's record
+    written there too, one JSON line each, the router's predicted TTFT included)."""
     n = cell_requests(spec, workload, fleet, scale)
     base = base_workload(workload, spec.workload_seed, n, spec.profile, spec.stated_max_tokens)
     reqs = scale_rate(base, scale)
     cfg = spec.sim_config(fleet, kind, seed)
-    result = run_one(reqs, policy, spec.scheduler, cfg, rate_scale=scale)
+    recs: list[RequestRecord] | None = [] if records is not None else None
+    result = run_one(
+        reqs, policy, spec.scheduler, cfg, rate_scale=scale, records=recs, predictions=bool(records)
+    )
+    if records is not None and recs is not None:
+        write_records(records, recs)
     slow = range(1, fleet, 2) if kind == "hetero" else ()
     return compact(result, seed=seed, scale=scale, rps=base_rate(base) * scale, slow=list(slow))
 
@@ -449,9 +463,24 @@ def _worker_calibrate(spec: MatrixSpec, combo: tuple[str, int, str]) -> dict:
 
 
 def _worker_run(
-    spec: MatrixSpec, combo: tuple[str, int, str], policy: str, scale: float, seed: int
+    spec: MatrixSpec,
+    combo: tuple[str, int, str],
+    policy: str,
+    scale: float,
+    seed: int,
+    records: Path | None = None,
 ) -> dict:
-    return run_cell_policy(spec, *combo, policy, scale, seed)
+    return run_cell_policy(spec, *combo, policy, scale, seed, records)
+
+
+def records_path(
+    records_dir: Path, combo: tuple[str, int, str], rate: float, policy: str, seed: int
+) -> Path:
+    """Where ``--records`` writes one run's requests: ``WORKLOAD-FLEET-KIND-xRATE-POLICY-sSEED
+    .jsonl`` (a trace file's workload by its stem)."""
+    workload, fleet, kind = combo
+    name = f"{Path(workload).stem}-{fleet}-{kind}-x{rate:g}-{run_file_stem(policy)}-s{seed}"
+    return records_dir / f"{name}.jsonl"
 
 
 class _Inline:
@@ -513,11 +542,13 @@ def run_matrix(
     jobs: int = 1,
     out: Path | None = None,
     knees: dict[tuple[str, int, str], dict] | None = None,
+    records_dir: Path | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict:
     """Calibrate every combo (or take its knee from ``knees``), run every cell, print progress
     and a table per combo, save the document to ``out`` after every combo (a crash keeps what
-    finished)."""
+    finished). ``records_dir``: every run's requests written there (:func:`records_path`), the
+    knee's round-robin run at x1 run again for its records."""
     t0 = time.perf_counter()
     combos = spec.combos()
     doc: dict = {
@@ -572,6 +603,7 @@ def run_matrix(
                                 key = (rate, seed, policy)
                                 if (
                                     policy == spec.baseline
+                                    and records_dir is None
                                     and rate == 1.0
                                     and seed == spec.seeds[0]
                                     # a knee from an older file lacks the newest figure, and
@@ -582,7 +614,12 @@ def run_matrix(
                                     st["left"] -= 1
                                     done += 1
                                     continue
-                                args = (spec, combo, policy, scale, seed)
+                                recs = (
+                                    records_path(records_dir, combo, rate, policy, seed)
+                                    if records_dir is not None
+                                    else None
+                                )
+                                args = (spec, combo, policy, scale, seed, recs)
                                 pending[pool.submit(_worker_run, *args)] = ("run", combo, key)
                 else:
                     st = state[combo]

@@ -20,7 +20,10 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import orjson
 
 from kvgate.stats import percentile
 
@@ -136,6 +139,14 @@ def _shed_runs(records: Sequence[RequestRecord]) -> dict | None:
         return None
     missed = sum(1 for r in runs if not r.slo_met)
     return {"requests": len(runs), "missed": missed, "precision": round(missed / len(runs), 4)}
+
+
+def write_records(path: Path, records: Iterable[RequestRecord]) -> None:
+    """One JSON line per request (its :class:`RequestRecord` fields and ``slo_met``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        for rec in records:
+            fh.write(orjson.dumps(rec.to_dict()) + b"\n")
 
 
 def summarize(records: Sequence[RequestRecord], engines: Sequence[str] = ()) -> dict:

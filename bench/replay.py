@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from bench.metrics import STATUS_OK, STATUS_TRANSPORT, RequestRecord, summarize
+from bench.metrics import STATUS_OK, STATUS_TRANSPORT, RequestRecord, summarize, write_records
 from bench.workloads import Request
 from kvgate.stats import percentile
 
@@ -63,10 +63,7 @@ class ReplayResult:
 
     def write(self, jsonl_path: Path | None, summary_path: Path | None) -> None:
         if jsonl_path is not None:
-            jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(jsonl_path, "wb") as fh:
-                for rec in self.records:
-                    fh.write(orjson.dumps(rec.to_dict()) + b"\n")
+            write_records(jsonl_path, self.records)
         if summary_path is not None:
             summary_path.parent.mkdir(parents=True, exist_ok=True)
             summary_path.write_bytes(orjson.dumps(self.summary, option=orjson.OPT_INDENT_2))

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.metrics import RequestRecord, summarize
+from bench.metrics import RequestRecord, summarize, write_records
 from bench.sim.policies import make_router
 from bench.sim.world import LinkConfig, Outage, World
 from bench.workloads import (
@@ -311,6 +311,8 @@ class SweepSpec:
     rate_scales: tuple[float, ...]
     sim: SimConfig
     profile_dir: str | None = None  # cProfile output per run when set
+    # every request's record per run (JSON lines, the router's predicted TTFT included) when set
+    records_dir: str | None = None
 
 
 def _cells(spec: SweepSpec) -> list[tuple[str, str, float]]:
@@ -333,17 +335,37 @@ def _scaled(requests: list[Request], opts: WorkloadOptions, rate: float) -> list
     return limit(out, opts.max_requests)
 
 
+def run_file_stem(policy: str) -> str:
+    """A policy spec as a file name's stem: ``e2[rebalance=false]`` -> ``e2[rebalance-false]``
+    (no ``:``, ``,``, ``=`` or ``/``)."""
+    for bad, good in ((":", "_"), (",", "_"), ("=", "-"), ("/", "_")):
+        policy = policy.replace(bad, good)
+    return policy
+
+
 def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Request]) -> dict:
     pol, sch, rate = cell
     reqs = _scaled(requests, spec.options, rate)
-    prof = None
-    if spec.profile_dir:
-        safe = pol.replace(":", "_").replace(",", "_").replace("=", "-")
-        prof = Path(spec.profile_dir) / f"{safe}-{sch}-x{rate:g}.prof"
+    name = f"{run_file_stem(pol)}-{sch}-x{rate:g}"
+    prof = Path(spec.profile_dir) / f"{name}.prof" if spec.profile_dir else None
+    records: list[RequestRecord] | None = [] if spec.records_dir else None
     t0 = time.perf_counter()
-    result = run_one(reqs, pol, sch, spec.sim, rate_scale=rate, profile_path=prof)
+    result = run_one(
+        reqs,
+        pol,
+        sch,
+        spec.sim,
+        rate_scale=rate,
+        profile_path=prof,
+        records=records,
+        predictions=records is not None,
+    )
     if prof is not None:
         result["profile"] = profile_breakdown(prof)
+    if records is not None and spec.records_dir:
+        path = Path(spec.records_dir) / f"{name}.jsonl"
+        write_records(path, records)
+        result["records"] = str(path)
     s = result["summary"]
     print(
         f"sim: {pol:<28} {sch:<7} x{rate:<5g} {len(reqs):>6} req  "

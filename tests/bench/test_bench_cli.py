@@ -39,6 +39,33 @@ def test_sim_then_report_from_the_command_line(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "rep_tool_use_policies_slo_ttft.png").exists()
 
 
+def test_sim_writes_every_request_record_without_changing_the_run(tmp_path: Path) -> None:
+    """``--records DIR``: one JSON line per request per run, with the router's predicted TTFT
+    on the engine it chose (reading the decision's candidates must not move a decision)."""
+    args = ["bench", "sim", "--trace", "tool_use", "--rate", "6", "--duration", "10",
+            "--engines", "3", "--policies", "e2,e2[rebalance=false]",
+            "--rate-scale", "1,2"]  # fmt: skip
+    recs = ["--records", str(tmp_path / "recs")]
+    assert main([*args, "--out", str(tmp_path / "plain.json")]) == 0
+    assert main([*args, *recs, "--out", str(tmp_path / "r.json")]) == 0
+    plain = orjson.loads((tmp_path / "plain.json").read_bytes())["runs"]
+    with_records = orjson.loads((tmp_path / "r.json").read_bytes())["runs"]
+    assert [r["summary"] for r in with_records] == [r["summary"] for r in plain]
+    names = sorted(p.name for p in (tmp_path / "recs").iterdir())
+    assert names == [
+        "e2-slo-x1.jsonl", "e2-slo-x2.jsonl",
+        "e2[rebalance-false]-slo-x1.jsonl", "e2[rebalance-false]-slo-x2.jsonl",
+    ]  # fmt: skip
+    for run in with_records:
+        lines = [orjson.loads(x) for x in Path(run["records"]).read_bytes().splitlines()]
+        assert len(lines) == run["summary"]["requests"]
+        served = [x for x in lines if x["status"] == 200]
+        assert served and all(x["engine"] and x["reason"] for x in served)
+        assert all(x["predicted_ttft_ms"] > 0 for x in served)
+        met = sum(x["slo_met"] for x in lines) / len(lines)
+        assert met == pytest.approx(run["summary"]["slo_attainment"], abs=1e-4)
+
+
 def test_sim_replays_a_qwen_bailian_format_trace(tmp_path: Path, caplog) -> None:
     """A hash-id trace of 16-token blocks and seconds (Qwen-Bailian's format) replays as it is:
     read as Mooncake's 512-token blocks and milliseconds, every line was skipped and the run

@@ -128,6 +128,48 @@ def test_knees_from_another_draw_keep_the_rate_not_the_baseline_run(
     assert run != old  # other requests, run afresh
 
 
+def test_records_hold_every_runs_requests_the_baseline_included(
+    slice_doc: dict, tmp_path: Path
+) -> None:
+    """``--records DIR``: every run of a narrowed matrix writes its requests, round robin at
+    x1 too (the knee's run, reused otherwise, is run again for them), and the figures are the
+    ones the matrix runs without records (the predictions read do not move a decision)."""
+    path = tmp_path / "slice.json"
+    path.write_bytes(orjson.dumps(slice_doc))
+    spec = replace(SLICE, workloads=("zipf_doc_qa",), kinds=("homo",), rates=(1.0,))
+    doc = run_matrix(
+        spec,
+        jobs=1,
+        knees=load_knees(path, spec),
+        records_dir=tmp_path / "r",
+        log=lambda line: None,
+    )
+    runs = doc["combos"][0]["cells"][0]["runs"]
+    (before,) = [
+        e for e in slice_doc["combos"] if (e["workload"], e["kind"]) == ("zipf_doc_qa", "homo")
+    ]
+    (cell,) = [c for c in before["cells"] if c["rate"] == 1.0]
+
+    def figures(run: dict) -> dict:
+        return {k: v for k, v in run.items() if k != "wall_s"}
+
+    assert [figures(r) for r in runs] == [figures(r) for r in cell["runs"]]
+    files = sorted(p.name for p in (tmp_path / "r").iterdir())
+    assert files == [
+        "zipf_doc_qa-4-homo-x1-e2-s0.jsonl",
+        "zipf_doc_qa-4-homo-x1-least_load-s0.jsonl",
+        "zipf_doc_qa-4-homo-x1-round_robin-s0.jsonl",
+    ]
+    for run in runs:
+        name = f"zipf_doc_qa-4-homo-x1-{run['policy']}-s0.jsonl"
+        lines = [orjson.loads(x) for x in (tmp_path / "r" / name).read_bytes().splitlines()]
+        assert len(lines) == run["requests"]
+        assert sum(x["slo_met"] for x in lines) / len(lines) == pytest.approx(
+            run["attainment"], abs=1e-4
+        )
+        assert all(x["predicted_ttft_ms"] is not None for x in lines if x["status"] == 200)
+
+
 def test_knee_brackets_round_robins_target_attainment(slice_doc: dict) -> None:
     """At the knee round robin is below the target; at the largest probed rate under it, not."""
     for entry in slice_doc["combos"]:
