@@ -355,10 +355,16 @@ def run_cell_policy(
     cfg = spec.sim_config(fleet, kind, seed)
     recs: list[RequestRecord] | None = [] if records is not None else None
     result = run_one(
-        reqs, policy, spec.scheduler, cfg, rate_scale=scale, records=recs, predictions=bool(records)
+        reqs,
+        policy,
+        spec.scheduler,
+        cfg,
+        rate_scale=scale,
+        records=recs,
+        predictions=recs is not None,
     )
-    if records is not None and recs is not None:
-        write_records(records, recs)
+    if records is not None:
+        write_records(records, recs or [])
     slow = range(1, fleet, 2) if kind == "hetero" else ()
     return compact(result, seed=seed, scale=scale, rps=base_rate(base) * scale, slow=list(slow))
 
