@@ -353,18 +353,18 @@ def run_cell_policy(
     base = base_workload(workload, spec.workload_seed, n, spec.profile, spec.stated_max_tokens)
     reqs = scale_rate(base, scale)
     cfg = spec.sim_config(fleet, kind, seed)
-    recs: list[RequestRecord] | None = [] if records is not None else None
+    recs: list[RequestRecord] = []
     result = run_one(
         reqs,
         policy,
         spec.scheduler,
         cfg,
         rate_scale=scale,
-        records=recs,
-        predictions=recs is not None,
+        records=recs if records is not None else None,
+        predictions=records is not None,
     )
     if records is not None:
-        write_records(records, recs or [])
+        write_records(records, recs)
     slow = range(1, fleet, 2) if kind == "hetero" else ()
     return compact(result, seed=seed, scale=scale, rps=base_rate(base) * scale, slow=list(slow))
 

@@ -348,7 +348,8 @@ def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Requ
     reqs = _scaled(requests, spec.options, rate)
     name = f"{run_file_stem(pol)}-{sch}-x{rate:g}"
     prof = Path(spec.profile_dir) / f"{name}.prof" if spec.profile_dir else None
-    records: list[RequestRecord] | None = [] if spec.records_dir else None
+    records_to = Path(spec.records_dir) / f"{name}.jsonl" if spec.records_dir else None
+    records: list[RequestRecord] = []
     t0 = time.perf_counter()
     result = run_one(
         reqs,
@@ -357,15 +358,14 @@ def _run_cell(spec: SweepSpec, cell: tuple[str, str, float], requests: list[Requ
         spec.sim,
         rate_scale=rate,
         profile_path=prof,
-        records=records,
-        predictions=records is not None,
+        records=records if records_to is not None else None,
+        predictions=records_to is not None,
     )
     if prof is not None:
         result["profile"] = profile_breakdown(prof)
-    if records is not None and spec.records_dir:
-        path = Path(spec.records_dir) / f"{name}.jsonl"
-        write_records(path, records)
-        result["records"] = str(path)
+    if records_to is not None:
+        write_records(records_to, records)
+        result["records"] = str(records_to)
     s = result["summary"]
     print(
         f"sim: {pol:<28} {sch:<7} x{rate:<5g} {len(reqs):>6} req  "
