@@ -559,6 +559,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plots", action="store_true")
 
+    p = sub.add_parser(
+        "records",
+        help="why a run went as it did: --records files summed up and compared request by request",
+        description="Sum up each file of per-request records (written by --records of bench "
+        "sim, matrix, replay or fidelity): SLO attainment, how each request was lost (served "
+        "late; refused by its engine, by the cause its message names; shed by the router), by "
+        "kind, prompt size, engine and arrival time, and the router's predicted TTFT against "
+        "the observed one. Every file after the first is compared with it request by request: "
+        "the requests one run met and the other did not, and how the other lost them.",
+    )
+    p.add_argument("files", type=Path, nargs="+", help="records files (JSON lines)")
+    p.add_argument("--json", type=Path, default=None, help="also save the figures here (JSON)")
+
     p = sub.add_parser("report", help="Markdown tables and PNG plots from result JSONs")
     p.add_argument("--inputs", type=Path, nargs="+", required=True)
     p.add_argument("--out", type=Path, default=RESULTS / "report.md")
@@ -860,11 +873,24 @@ def _run_workloads(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_records(args: argparse.Namespace) -> int:
+    from bench.records import report
+
+    text, doc = report(args.files)
+    print(text)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 VERBS = {
     "replay": _run_replay,
     "sim": _run_sim,
     "fidelity": _run_fidelity,
     "matrix": _run_matrix,
+    "records": _run_records,
     "report": _run_report,
     "workloads": _run_workloads,
 }

@@ -44,6 +44,7 @@ from broker.events import (
 from engine.costs import prefill_batch_ms
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Refusal, make_policy
+from engine.scheduler.base import TOO_BIG
 from engine.scheduler.book import SchedBook
 from engine.scheduler.state import (
     EngineRequest,
@@ -179,7 +180,7 @@ class EngineCore(SchedBook):
         refusal = None
         if need > p.kv_blocks:
             refusal = Refusal(
-                f"request needs {need} KV blocks ({req.input_tokens} prompt + "
+                f"request needs {need} {TOO_BIG}{req.input_tokens} prompt + "
                 f"{req.output_tokens} output tokens) but this engine has {p.kv_blocks} in all"
             )
         else:

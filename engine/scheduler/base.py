@@ -16,6 +16,40 @@ from engine.costs import TtftPredictor
 from engine.scheduler.state import PrefillUnit, ReqState, SchedulerConfig, StepPlan
 from kvgate.cost_model import CostProfile
 
+# Why an engine refused a request, as the end of its message says it (the message is for people;
+# :func:`refusal_cause` reads the cause back from it, for ``kvgate bench records``). Refused at
+# arrival: its prefill alone, or one decode step of it alone, cannot meet its SLO there, or it
+# needs more KV blocks than the engine has. Refused while it waited (S-EDF): behind requests due
+# sooner, for a place in the decode batch (SCORPIO's TPOT guard), or for KV memory; or its
+# prefill was paused for requests due sooner and can no longer make its deadline.
+AT_ARRIVAL_TTFT = "cannot be met: prefilling"
+AT_ARRIVAL_TPOT = "cannot be met: one decode step"
+TOO_BIG = "KV blocks ("
+WAITED_BEHIND = " behind higher-priority requests"
+WAITED_FOR = {
+    "vbs": " while waiting for decode capacity (TPOT guard)",
+    "kv": " while waiting for KV memory",
+}
+PAUSED = "its prefill was paused for requests due sooner"
+REFUSAL_CAUSES = {
+    "paused": PAUSED,
+    "decode_capacity": WAITED_FOR["vbs"],
+    "kv_memory": WAITED_FOR["kv"],
+    "queued": WAITED_BEHIND,
+    "arrival_ttft": AT_ARRIVAL_TTFT,
+    "arrival_tpot": AT_ARRIVAL_TPOT,
+    "too_big": TOO_BIG,
+}
+
+
+def refusal_cause(message: str) -> str:
+    """The cause (a key of :data:`REFUSAL_CAUSES`) of a refusal whose message kvgate's engine
+    wrote; ``other`` for any other text (another engine's, or a transport error)."""
+    for cause, fragment in REFUSAL_CAUSES.items():
+        if fragment in message:
+            return cause
+    return "other"
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:

@@ -53,7 +53,15 @@ from __future__ import annotations
 
 import math
 
-from engine.scheduler.base import Refusal, SchedView
+from engine.scheduler.base import (
+    AT_ARRIVAL_TPOT,
+    AT_ARRIVAL_TTFT,
+    PAUSED,
+    WAITED_BEHIND,
+    WAITED_FOR,
+    Refusal,
+    SchedView,
+)
 from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig, StepPlan
 from kvgate.cost_model import prefill_share
 
@@ -78,7 +86,7 @@ class SloPolicy:
         slo = st.req.slo
         if now + pred_ms / 1000.0 > st.deadline:
             return Refusal(
-                f"TTFT SLO of {slo.ttft_ms:g} ms cannot be met: prefilling "
+                f"TTFT SLO of {slo.ttft_ms:g} ms {AT_ARRIVAL_TTFT} "
                 f"{st.prefill_tokens} uncached prompt tokens alone takes about {pred_ms:.0f} ms "
                 "on this engine",
                 "ttft",
@@ -89,7 +97,7 @@ class SloPolicy:
         step_ms = self._lone_step_ms(view, st)
         if step_ms * cfg.vbs_safety >= cfg.vbs_margin * slo.tpot_ms:
             return Refusal(
-                f"TPOT SLO of {slo.tpot_ms:g} ms cannot be met: one decode step of this request "
+                f"TPOT SLO of {slo.tpot_ms:g} ms {AT_ARRIVAL_TPOT} of this request "
                 f"alone takes about {step_ms:.1f} ms (x{cfg.vbs_safety:g} safety) on this engine",
                 "tpot",
                 step_ms,
@@ -182,10 +190,7 @@ class SloPolicy:
                 pred_ms = view.predict(st.prefill_tokens)
             if st.deadline - now - pred_ms / 1000.0 < 0:
                 waited = (now - st.req.arrival) * 1000.0
-                why = {
-                    "vbs": " while waiting for decode capacity (TPOT guard)",
-                    "kv": " while waiting for KV memory",
-                }.get(st.blocked_by, " behind higher-priority requests")
+                why = WAITED_FOR.get(st.blocked_by, WAITED_BEHIND)
                 view.reject(
                     st,
                     f"TTFT SLO of {st.req.slo.ttft_ms:g} ms can no longer be met: queued "
@@ -214,8 +219,7 @@ class SloPolicy:
                 for st, _ in members:
                     view.reject(
                         st,
-                        f"TTFT SLO of {st.req.slo.ttft_ms:g} ms can no longer be met: its "
-                        "prefill was paused for requests due sooner",
+                        f"TTFT SLO of {st.req.slo.ttft_ms:g} ms can no longer be met: {PAUSED}",
                         now,
                     )
 
