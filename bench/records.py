@@ -300,15 +300,19 @@ def report(paths: Sequence[Path]) -> tuple[str, dict]:
     every later file compared with the first; the text and the JSON-ready figures."""
     runs = [(p, load(p)) for p in paths]
     edges = size_edges(runs[0][1])
+    # each file by its name, or its folder and name where two share a name (two runs of one
+    # cell, recorded to two folders)
+    names = [p.name for p in paths]
+    label = {p: p.name if names.count(p.name) == 1 else f"{p.parent.name}/{p.name}" for p in paths}
     doc: dict = {"runs": {}, "comparisons": {}}
     texts: list[str] = []
     for path, recs in runs:
         s = summarize(recs, edges)
         doc["runs"][str(path)] = s
-        texts.append(format_summary(path.name, s))
+        texts.append(format_summary(label[path], s))
     base_path, base = runs[0]
     for path, recs in runs[1:]:
         c = compare(base, recs)
         doc["comparisons"][str(path)] = c
-        texts.append(format_compare(base_path.name, path.name, c))
+        texts.append(format_compare(label[base_path], label[path], c))
     return "\n\n".join(texts), doc

@@ -606,6 +606,8 @@ class Cluster(ClusterState):
         decay = math.exp(-(now - eng.rate_t) / RATE_TAU_S)
         eng.rate = eng.rate * decay + 1.0 / RATE_TAU_S  # (exponentially weighted rates)
         eng.prefill_rate = eng.prefill_rate * decay + own_s * 1e3 / RATE_TAU_S
+        slo_ms = max(req.slo.ttft_ms, 1.0)
+        eng.prefill_slo_rate = eng.prefill_slo_rate * decay + own_s * 1e3 / slo_ms / RATE_TAU_S
         eng.rate_t = now
         self.slo_mix.add(req.slo.ttft_ms, own_s * 1e3, now)
         eng.view = None

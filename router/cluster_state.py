@@ -409,6 +409,7 @@ class ClusterState:
                 routed_total=eng.routed_total,
                 rate_per_s=eng.rate,
                 prefill_rate=eng.prefill_rate,
+                prefill_slo_rate=eng.prefill_slo_rate,
                 rate_t=eng.rate_t,
                 heartbeat=hb,
                 queued_prefill_ms=p.prefill_ms(

@@ -199,6 +199,9 @@ class _Engine:
     enqueued_tokens: int = 0
     rate: float = 0.0  # requests/s routed here recently (RATE_TAU_S), as of rate_t
     prefill_rate: float = 0.0  # ms of their prefill (at its speed) per s, as of rate_t
+    # ... and that prefill over each one's TTFT SLO (ms / ms) per s: over ``prefill_rate``, the
+    # mean 1 / TTFT SLO of the prefill work routed there, weighted by that work
+    prefill_slo_rate: float = 0.0
     rate_t: float = 0.0
     role: str = "both"  # prefill, decode or both (its heartbeat's, or configured)
     # key bytes and blocks of the blocks it announced (its block size in the key's bytes)

@@ -24,6 +24,7 @@ ALIASES: dict[str, str] = {
     "e2-feasible-first": "e2[prefer_feasible=true]",
     "e2-no-miss": "e2[miss_penalty=0]",
     "e2-doomed-by-cost": "e2[doomed_to_holder=false]",
+    "e2-no-lanes": "e2[decode_delay=false]",
     "e2-pd": "e2[pd_balance=true]",
     "e2-rebalance": "e2[rebalance=true]",
     "e2-no-rebalance": "e2[rebalance=false]",

@@ -71,6 +71,9 @@ class EngineView:
     decode_inv_tpot: float = 0.0  # ... and of those decoding now
     rate_per_s: float = 0.0  # requests routed there per second recently, as of rate_t ...
     prefill_rate: float = 0.0  # ... and ms of prefill (their own, at its speed) per second
+    # ... and that prefill over each one's TTFT SLO (ms / ms) per second: over ``prefill_rate``,
+    # the mean 1 / TTFT SLO of the engine's prefill work (how tight what a step delays is)
+    prefill_slo_rate: float = 0.0
     rate_t: float = 0.0  # ... (exponentially weighted: decays by exp(-dt / 10 s) after)
     role: str = "both"  # prefill, decode or both (broker.events.ROLES)
     # the KV the prefills routed there and not done yet will write (in key bytes): not in
@@ -118,6 +121,7 @@ class EngineView:
         decode_inv_tpot: float = 0.0,
         rate_per_s: float = 0.0,
         prefill_rate: float = 0.0,
+        prefill_slo_rate: float = 0.0,
         rate_t: float = 0.0,
         role: str = "both",
         unannounced_bytes: int = 0,
@@ -155,6 +159,7 @@ class EngineView:
         self.decode_inv_tpot = decode_inv_tpot
         self.rate_per_s = rate_per_s
         self.prefill_rate = prefill_rate
+        self.prefill_slo_rate = prefill_slo_rate
         self.rate_t = rate_t
         self.role = role
         self.unannounced_bytes = unannounced_bytes

@@ -59,6 +59,14 @@ gets a second copy exactly then).
   speed (``spread_by_traffic``: the later requests sharing the new part follow it, and traffic
   predicts their queue better than the work in flight at this instant); then the least
   outstanding work (which spreads new prefixes over full caches evenly); then the injected rng.
+* Among the holders, the fast lanes kept (``decode_delay``, on): of every engine holding as
+  much of the key as the one chosen, the cheapest by ``C_i`` plus what the request's decode
+  does to that engine's prefills (``Estimate.decode_delay_ms``: each ms of a decode step is a
+  ms every prefill there waits, the ones due sooner too, priced as their misses at this
+  request's SLO). Where a long-context prefix is held everywhere (an agent prompt), its
+  requests gather on the engines whose prefills are due late and leave the others to the
+  requests due soon; the holder-or-not question stays the cost's (weighed in the cost itself,
+  it sent long documents off their holders: docs/router.md, *Fifty-eighth session*).
 * SLO: an engine that cannot decode the request within its TPOT SLO is skipped (on an
   arrival-order engine: its whole batch's TPOT, and no request decoding there pushed past its
   own, :func:`router.policies.feasibility.arrival_order_tpot_ms`). The request is routed even
@@ -107,7 +115,7 @@ Ablation flags (``bench/sim/policies.py`` names them): ``eviction_term``, ``slo_
 ``prefer_feasible``, ``miss_penalty=0``, ``doomed_to_holder=false``, ``pd_balance``,
 ``rebalance=false``, ``follow_spare=false``, ``replicate_to_spare=false``,
 ``room_beside_all_reused=false``, ``balance_trigger=0``, ``make_way=false``,
-``moves_by_fit=false``.
+``moves_by_fit=false``, ``decode_delay=false``.
 """
 
 from __future__ import annotations
@@ -170,6 +178,10 @@ class E2Config:
     # for its speed first
     # (off: the least outstanding work first)
     spread_by_traffic: bool = True
+    # of the engines holding as much of the key as the one chosen, the cheapest counting the
+    # delay its decode adds to each one's prefills, priced as their misses (off: the cost alone;
+    # held-out hot_prompt lost up to 7 points, its agent prompt's decodes on every engine)
+    decode_delay: bool = True
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
     # an engine where the request cannot meet its TTFT SLO (even with nothing overtaking it) is
     # charged this x the SLO in ms: a request lost weighs about one SLO of delay to others
@@ -338,6 +350,8 @@ class E2(PolicyBase):
         holders = _most_held(finalists, _credited)
         most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
+        if cfg.decode_delay and most > 0:
+            holders = self._least_delay(pool, most, holders)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
             reason = "exploit"
@@ -507,6 +521,20 @@ class E2(PolicyBase):
                 best = s.cost
         limit = best + cfg.tie_rel * best + cfg.tie_ms
         return [s for s in costed if s.cost <= limit]
+
+    def _least_delay(self, pool: list[_Scored], most: int, holders: list[_Scored]) -> list[_Scored]:
+        """Of every engine in ``pool`` holding ``most`` bytes of the key (``holders``: those of
+        them in the tie band), the ones within the band of the cheapest by cost plus the delay
+        the request's decode adds to their prefills (``Estimate.decode_delay_ms``). An engine
+        holding a prefix is also a lane for the requests due soon, which a long-context decode
+        there slows at every step; among equal holders that is what tells them apart."""
+        top = [s for s in pool if s.matched == most]
+        if len(top) < 2:
+            return holders
+        cfg = self.config
+        best = min(_with_delay(s) for s in top)
+        limit = best + cfg.tie_rel * best + cfg.tie_ms
+        return [s for s in top if _with_delay(s) <= limit]
 
     def _rebalanced(
         self, ctx: RequestContext, view: ClusterView, finalists: list[_Scored], now: float
@@ -902,6 +930,11 @@ def _expected(s: _Scored) -> float:
 
 def _cost(s: _Scored) -> float:
     return s.cost
+
+
+def _with_delay(s: _Scored) -> float:
+    """``s``'s cost and the misses its decode makes of the engine's prefills."""
+    return s.cost + s.est.decode_delay_ms
 
 
 def _base(s: _Scored) -> float:

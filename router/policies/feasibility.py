@@ -37,6 +37,14 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
   of it. Comparing with the whole SLO (an upper bound) lost 0.35 points of attainment on the
   quick slice.
   Without it the router predicted half the TTFT of a request with a long SLO on a busy engine;
+* ``decode_delay``: what its decode does to the engine's prefills. Each step decodes before its
+  prefill slice, so every ms of its decode is a ms the prefills there wait, the ones due sooner
+  too (S-EDF lets them overtake a prefill, not a decode step): ``decode_ms x busy / (1 -
+  busy)`` of delay (the prefills waiting meanwhile), a delay ``d`` to a prefill of TTFT SLO
+  ``s`` making it miss with a chance of about ``d / s``, each miss priced at this request's own
+  SLO (as E2 prices its own miss): ``x SLO x`` the mean ``1 / SLO`` of the engine's prefill work
+  (``EngineView.prefill_slo_rate / prefill_rate``). A long-context decode with a long SLO is
+  dear where the prefills are due soon;
 * ``TTFT = (queue + own) / share x stretch + admit + decode``; its floor
   ``(runs + own) / share_now + admit_now + decode_now``, ``runs`` the part of ``queue`` that
   can still start in time behind the work before it, and the decode batch only the requests
@@ -138,6 +146,7 @@ class Estimate:
         "behind",
         "busy",
         "credited",
+        "decode_delay_ms",
         "decode_fits",
         "decode_harm",
         "fill",
@@ -170,7 +179,10 @@ class Estimate:
         place_ms: float = 0.0,
         decode_fits: bool | None = None,
         fill: float = 0.0,
+        decode_delay_ms: float = 0.0,
     ) -> None:
+        # the misses its decode's GPU time makes of the engine's prefills, priced at its own SLO
+        self.decode_delay_ms = decode_delay_ms
         self.busy = busy  # the engine's recent prefill utilization (of prefill's GPU share)
         self.fill = fill  # its decode batch's share of the places SCORPIO's admission allows
         # ms its decode will add to later requests (their prefill, or their wait for a place in
@@ -464,6 +476,10 @@ def estimate(
     # prefill's utilization there: the prefill routed there per second of the GPU time prefill
     # gets
     busy = prefill_busy(ev, decay, share)
+    # its decode's GPU time, waited through by the prefills there (those due sooner too), each
+    # delay a chance of a miss over that prefill's SLO, priced at this request's SLO
+    tight = ev.prefill_slo_rate / ev.prefill_rate if ev.prefill_rate > 0.0 else 0.0
+    decode_delay = decode_ms * busy / (1.0 - busy) * slo.ttft_ms * tight
     return Estimate(
         queue,
         own,
@@ -483,6 +499,7 @@ def estimate(
         place,
         fits_alone,
         fill,
+        decode_delay,
     )
 
 

@@ -139,3 +139,15 @@ def test_unreadable_records_exit_with_a_message(tmp_path: Path, capsys) -> None:
     f.write_text("")
     assert main(["bench", "records", str(f)]) == 2
     assert "no records" in capsys.readouterr().err
+
+
+def test_two_files_of_one_name_are_told_apart_by_their_folder(tmp_path: Path, capsys) -> None:
+    for folder, ttft in (("before", 0.1), ("after", 0.9)):
+        (tmp_path / folder).mkdir()
+        line = orjson.dumps(_rec(0, ttft_s=ttft)).decode()
+        (tmp_path / folder / "cell.jsonl").write_text(line + "\n")
+    files = [str(tmp_path / d / "cell.jsonl") for d in ("before", "after")]
+    assert main(["bench", "records", *files]) == 0
+    out = capsys.readouterr().out
+    assert "after/cell.jsonl against before/cell.jsonl" in out
+    assert "met by before/cell.jsonl only: 1" in out

@@ -305,6 +305,21 @@ def test_outstanding_load_leaves_with_first_token_and_finish() -> None:
     assert view.window_ms > 0.0  # the window still remembers it (rebalancing's L)
 
 
+def test_an_engine_s_prefill_work_is_weighted_by_its_requests_slos() -> None:
+    """What a decode there delays (``Estimate.decode_delay_ms``) is the engine's prefill work,
+    each request's by its 1 / TTFT SLO: over the prefill rate, the work-weighted mean."""
+    f = Fleet(n=1, policy="round_robin")
+    cl = f.router.cluster
+    f.route("short", b"s" * 4_000, 1.0, slo=Slo(ttft_ms=250.0, tpot_ms=100.0))
+    f.route("long", b"l" * 40_000, 1.0, slo=Slo(ttft_ms=8_000.0, tpot_ms=100.0))
+    view = cl.engine_view(cl.engines["e0"])
+    p = cl.engines["e0"].profile
+    short_ms, long_ms = p.prefill_ms(1_000), p.prefill_ms(10_000)
+    assert view.prefill_rate == pytest.approx((short_ms + long_ms) / 10.0, rel=1e-6)
+    mean_inv_slo = (short_ms / 250.0 + long_ms / 8_000.0) / (short_ms + long_ms)
+    assert view.prefill_slo_rate / view.prefill_rate == pytest.approx(mean_inv_slo, rel=1e-6)
+
+
 def test_the_window_counts_its_requests_through_moves_and_expiry() -> None:
     """Rebalancing asks whether an imbalance is more than chance by how many requests each
     engine's windowed load holds: a route adds one, a moved group takes its requests along,

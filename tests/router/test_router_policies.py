@@ -563,6 +563,54 @@ def test_only_arrivals_due_sooner_overtake_so_a_long_wait_is_overtaken_by_tighte
     assert view.asked[0] > view.asked[1]  # the longer queue: only tighter SLOs overtake it
 
 
+def test_a_decode_delays_the_engine_s_prefills_priced_as_their_misses() -> None:
+    """Each ms of a request's decode is a ms every prefill on its engine waits, the ones due
+    sooner too: ``decode_ms x busy / (1 - busy)``, each delay ``d`` to a prefill of SLO ``s`` a
+    miss with a chance of ``d / s``, priced at this request's SLO: ``x SLO x`` the mean ``1 /
+    SLO`` of the engine's prefill work. Nothing where no prefill was routed lately."""
+    slo = Slo(ttft_ms=8_000.0, tpot_ms=100.0)
+    # prefilling half of its time lately, all of it for requests due within 250 ms
+    tight = replace(ev("tight"), rate_per_s=2.0, prefill_rate=500.0, prefill_slo_rate=2.0)
+    c = ctx(slo=slo)
+    est = estimate(tight, c, KEY_LEN, FakeView([tight]), 0.0, {})
+    mine = KEY_LEN // 4 + 100 / 2  # its mean context while it decodes (100 tokens out)
+    decode_ms = 100 * (PROFILE.decode_a * mine + PROFILE.decode_b)
+    busy = 0.5 / est.share
+    expected = decode_ms * busy / (1 - busy) * 8_000.0 * (2.0 / 500.0)
+    assert est.busy == pytest.approx(busy)
+    assert est.decode_delay_ms == pytest.approx(expected)
+    # the same work due within 8 s: a thirty-second of it; a quiet engine: none
+    loose = replace(tight, prefill_slo_rate=500.0 / 8_000.0)
+    assert estimate(loose, c, KEY_LEN, FakeView([loose]), 0.0, {}).decode_delay_ms == (
+        pytest.approx(expected / 32)
+    )
+    quiet = ev("quiet")
+    assert estimate(quiet, c, KEY_LEN, FakeView([quiet]), 0.0, {}).decode_delay_ms == 0.0
+
+
+def test_e2_sends_a_long_decode_to_the_holder_whose_prefills_are_due_late() -> None:
+    """Of the engines holding as much of the key, the one whose prefills a long-context decode
+    delays least, though the other is cheaper by the cost: an agent prompt held everywhere
+    gathers on the engines serving requests due late and leaves the others to those due soon.
+    An engine holding less of the key is never taken for it (the holder question is the
+    cost's)."""
+    slo = Slo(ttft_ms=8_000.0, tpot_ms=100.0)
+    common = {"rate_per_s": 2.0, "prefill_rate": 500.0}
+    lane = replace(ev("lane"), prefill_slo_rate=2.0, **common)  # (its prefills due in 250 ms)
+    late = replace(ev("late", hb=_hb(queued=200)), prefill_slo_rate=500.0 / 8_000.0, **common)
+    spare = ev("spare")  # (holds less of the key)
+    view = FakeView([lane, late, spare], matched={"lane": KEY_LEN, "late": KEY_LEN})
+    off = make_policy("e2", {"decode_delay": False}).choose(ctx(slo=slo), view, 0.0)
+    assert off.engine_id == "lane"  # (cheaper: nothing queued)
+    d = make_policy("e2").choose(ctx(slo=slo), view, 0.0)
+    assert (d.engine_id, d.reason) == ("late", "exploit")
+    # with both lanes' prefills due soon, the engine no prefill waits on (spare: its decode
+    # delays nobody) is still not taken: it would prefill the whole key
+    both = FakeView([lane, replace(late, prefill_slo_rate=2.0), spare], matched=view.matched)
+    assert make_policy("e2").choose(ctx(slo=slo), both, 0.0).engine_id in ("lane", "late")
+    assert estimate(spare, ctx(slo=slo), 0, both, 0.0, {}).decode_delay_ms == 0.0
+
+
 def test_e2_leaves_a_busy_engine_whose_queue_will_be_overtaken() -> None:
     """A shorter queue on an engine that prefills 90% of its time is no shorter wait
     when most of the traffic is due sooner than this request (4,000 against 8,000 tokens queued)."""
