@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bench.metrics import STATUS_OK
 from engine.scheduler.base import refusal_cause
+from kvgate.stats import percentile
 
 TIME_BINS = 5  # the run's span cut into this many equal parts (cold start against the rest)
 SIZE_BINS = 4  # prompt sizes by quartile of the first run's
@@ -83,6 +84,10 @@ def outcome(rec: dict) -> str:
     return "met"
 
 
+def _engine(rec: dict) -> str:
+    return rec.get("engine") or "-"
+
+
 def _num(value: object, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) else default
 
@@ -106,13 +111,7 @@ def _size_label(tokens: int, edges: Sequence[int]) -> str:
 def _quantiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
-    values = sorted(values)
-    n = len(values)
-    return {
-        "p10": round(values[n // 10], 3),
-        "p50": round(values[n // 2], 3),
-        "p90": round(values[min(9 * n // 10, n - 1)], 3),
-    }
+    return {f"p{round(100 * q)}": round(percentile(values, q), 3) for q in (0.1, 0.5, 0.9)}
 
 
 def _group(
@@ -158,14 +157,15 @@ def summarize(records: Sequence[dict], edges: Sequence[int] | None = None) -> di
     out["by_size"] = _group(
         records, lambda r: _size_label(int(r.get("input_tokens") or 0), edges), sizes
     )
-    by_engine = _group(records, lambda r: r.get("engine") or "-")
+    by_engine = _group(records, _engine)
+    prompt: Counter[str] = Counter()  # the prompt and cached tokens each engine served
+    cached: Counter[str] = Counter()
+    for r in records:
+        if r.get("status") == STATUS_OK:
+            prompt[_engine(r)] += int(r.get("prompt_tokens") or r.get("input_tokens") or 0)
+            cached[_engine(r)] += int(r.get("cached_tokens") or 0)
     for eid, g in by_engine.items():
-        served = [
-            r for r in records if (r.get("engine") or "-") == eid and r.get("status") == STATUS_OK
-        ]
-        prompt = sum(int(r.get("prompt_tokens") or r.get("input_tokens") or 0) for r in served)
-        cached = sum(int(r.get("cached_tokens") or 0) for r in served)
-        g["hit_rate"] = round(cached / prompt, 4) if prompt else None
+        g["hit_rate"] = round(cached[eid] / prompt[eid], 4) if prompt[eid] else None
     out["by_engine"] = dict(sorted(by_engine.items()))
     t0 = min(_num(r.get("arrival"), 0.0) for r in records)
     span = max(_num(r.get("arrival"), 0.0) for r in records) - t0
