@@ -72,13 +72,16 @@ gets a second copy exactly then).
   own, :func:`router.policies.feasibility.arrival_order_tpot_ms`). The request is routed even
   when no engine is expected to meet its TTFT SLO; it is shed (429, naming the engine it would
   have gone to) only when even the best would miss by more than ``shed_factor`` x the SLO with
-  nothing overtaking it: shedding is final. Routed so to engines that refuse a late request
-  while it waits (S-EDF; ``doomed_to_holder``), it goes among the engines holding the most of
-  its key (cached or routed there), the cheapest of them: lost wherever it goes, what is left
-  to choose is where its key is counted, and computed if it runs after all (by cost alone, an
-  overloaded fleet's doomed requests seeded their prefixes on whichever engine was cheapest,
-  and the next requests of a prefix followed them there). An engine serving in arrival order
-  runs such a request ahead of the ones behind it, so there the cost decides.
+  nothing overtaking it: shedding is final. Where no engine of the tie band is expected to
+  meet the SLO, on engines that refuse a late request while it waits (S-EDF;
+  ``doomed_to_holder``), it goes among the engines holding the most of its key (cached or
+  routed there), the cheapest of them: lost where the cost would send it (an engine that
+  could serve it in time, if any, costs the others more), what is left to choose is where its
+  key is counted, and computed if it runs after all (by cost alone, an overloaded fleet's
+  doomed requests seeded their prefixes on whichever engine was cheapest, and the next
+  requests of a prefix followed them there; a conversation's late turn went to a cold engine
+  and prefilled its whole history there). An engine serving in arrival order runs such a
+  request ahead of the ones behind it, so there the cost decides.
 * Big fleets: only ``contenders`` engines are scored (the top holders and the least loaded, the
   rest drawn at random), every engine before a shed; of those, an engine whose lower bound on
   ``C_i`` is past the band of the cheapest found is not estimated (``bound_skip``: the same
@@ -167,10 +170,11 @@ class E2Config:
     # first token could come: admission control that sheds earlier, before a queue snowballs
     # (more attainment in overload, but a third of what it sheds would have made it)
     shed_expected: bool = False
-    # a request that no engine is expected to serve within its TTFT SLO, on engines that refuse
-    # it while it waits (S-EDF), goes among the engines holding (or routed) the most of its key:
-    # lost wherever it goes, it is where its key is counted and, if it runs after all, computed
-    # (off: the cheapest engine; docs/router.md, *Fifty-fifth session*)
+    # a request that no engine of the tie band is expected to serve within its TTFT SLO, on
+    # engines that refuse it while it waits (S-EDF), goes among the engines holding (or routed)
+    # the most of its key: lost where the cost would send it, it is where its key is counted
+    # and, if it runs after all, computed (off: the cheapest engine; docs/router.md,
+    # *Fifty-fifth session* and *Fifty-ninth session*)
     doomed_to_holder: bool = True
     tie_rel: float = 0.05  # tie band: within tie_rel x C_min + tie_ms of the cheapest
     tie_ms: float = 5.0
@@ -328,12 +332,15 @@ class E2(PolicyBase):
                     )
             elif cfg.prefer_feasible:
                 pool = feasible
-        if cfg.doomed_to_holder and _doomed(pool, slo_ms):
-            routed = view.matched
-            pool = _most_held(pool, lambda s: routed.get(s.ev.engine_id, 0))
         if not pool:  # (slo_filter off and no engine meets the TPOT SLO: cheapest anyway)
             pool = scored
         finalists = self._band(pool, ctx, view, now)
+        if cfg.doomed_to_holder and _doomed(finalists, slo_ms):
+            routed = view.matched
+            held = _most_held(pool, lambda s: routed.get(s.ev.engine_id, 0))
+            if len(held) < len(pool):
+                pool = held
+                finalists = self._band(pool, ctx, view, now)
         if cfg.rebalance:
             moved = self._rebalanced(ctx, view, finalists, now)
             if moved is not None:
@@ -897,11 +904,12 @@ def _fallback(best: _Scored | None, scored: Sequence[_Scored]) -> str | None:
 
 
 def _doomed(pool: list[_Scored], slo_ms: float) -> bool:
-    """Whether no engine of ``pool`` is expected to give the request its first token within
-    its TTFT SLO, and each would refuse it while it waits (S-EDF): then it costs the others
-    nothing wherever it goes. An engine that serves in arrival order runs it, late, ahead of
-    the requests behind it, so there the cost decides (sent to the holder, such requests
-    queued there and delayed the rest: tool_use 4 homo x2 -3.2 points behind the bridge)."""
+    """Whether no engine of ``pool`` (the tie band) is expected to give the request its first
+    token within its TTFT SLO, and each would refuse it while it waits (S-EDF): then it costs
+    the others nothing wherever it goes among them. An engine that serves in arrival order
+    runs it, late, ahead of the requests behind it, so there the cost decides (sent to the
+    holder, such requests queued there and delayed the rest: tool_use 4 homo x2 -3.2 points
+    behind the bridge)."""
     return not any(_expected(s) <= slo_ms or s.ev.arrival_order for s in pool)
 
 

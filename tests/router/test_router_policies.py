@@ -493,6 +493,18 @@ def test_e2_sends_a_request_no_engine_can_serve_in_time_to_the_holder_of_its_key
     assert (d.engine_id, d.reason, d.shed) == ("a", "exploit", False)
     # b can meet it (~1.8 s): the cheapest, the holder's key notwithstanding
     assert make_policy("e2").choose(ctx(slo=slo), view(5_000), 0.0).engine_id == "b"
+    # c could meet it too (nothing queued), but fitting the key there evicts 10 s of others'
+    # prefills: out of the tie band, which holds only b, late. Lost where the cost would send
+    # it, it goes to the holder (before the fifty-ninth session only a request late everywhere
+    # did)
+    spare = view(8_000)
+    spare.engines.append(ev("c", free=0))
+    spare.evictions["c"] = 10_000.0
+    d = by_cost.choose(ctx(slo=slo), spare, 0.0)
+    assert d.engine_id == "b"
+    ttft = {c.engine_id: c.load_ms + c.prefill_ms for c in d.candidates}
+    assert ttft["c"] < slo.ttft_ms < ttft["b"]
+    assert make_policy("e2").choose(ctx(slo=slo), spare, 0.0).engine_id == "a"
     # engines serving in arrival order run a late request ahead of the ones behind it: there
     # the cost decides (it does not refuse the request, so it is not lost at no one's cost)
     fifo = view(8_000)
