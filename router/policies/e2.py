@@ -66,7 +66,10 @@ gets a second copy exactly then).
   request's SLO). Where a long-context prefix is held everywhere (an agent prompt), its
   requests gather on the engines whose prefills are due late and leave the others to the
   requests due soon; the holder-or-not question stays the cost's (weighed in the cost itself,
-  it sent long documents off their holders: docs/router.md, *Fifty-eighth session*).
+  it sent long documents off their holders: docs/router.md, *Fifty-eighth session*). Where a
+  holder in the band is expected to meet the request's TTFT SLO, only such holders are
+  weighed: the lane is not bought with the request's own expected miss (*Fifty-ninth
+  session*).
 * SLO: an engine that cannot decode the request within its TPOT SLO is skipped (on an
   arrival-order engine: its whole batch's TPOT, and no request decoding there pushed past its
   own, :func:`router.policies.feasibility.arrival_order_tpot_ms`). The request is routed even
@@ -358,7 +361,7 @@ class E2(PolicyBase):
         most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
         if cfg.decode_delay and most > 0:
-            holders = self._least_delay(pool, most, holders)
+            holders = self._least_delay(pool, most, holders, slo_ms)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
             reason = "exploit"
@@ -529,13 +532,23 @@ class E2(PolicyBase):
         limit = best + cfg.tie_rel * best + cfg.tie_ms
         return [s for s in costed if s.cost <= limit]
 
-    def _least_delay(self, pool: list[_Scored], most: int, holders: list[_Scored]) -> list[_Scored]:
+    def _least_delay(
+        self, pool: list[_Scored], most: int, holders: list[_Scored], slo_ms: float
+    ) -> list[_Scored]:
         """Of every engine in ``pool`` holding ``most`` bytes of the key (``holders``: those of
         them in the tie band), the ones within the band of the cheapest by cost plus the delay
         the request's decode adds to their prefills (``Estimate.decode_delay_ms``). An engine
         holding a prefix is also a lane for the requests due soon, which a long-context decode
-        there slows at every step; among equal holders that is what tells them apart."""
+        there slows at every step; among equal holders that is what tells them apart. Where a
+        holder of the band is expected to give the request its first token within its TTFT
+        SLO (``slo_ms``), only such holders are weighed: the delay is others' misses priced by
+        a mean, and a lane bought with the request's own expected miss was no bargain (a prefix
+        every engine holds made every engine a holder, and the lane rule sent requests from an
+        engine expected in time to one expected late: docs/router.md, *Fifty-ninth session*)."""
         top = [s for s in pool if s.matched == most]
+        if any(_expected(s) <= slo_ms for s in holders):
+            # the lane is not bought with the request's own SLO
+            top = [s for s in top if _expected(s) <= slo_ms]
         if len(top) < 2:
             return holders
         cfg = self.config

@@ -621,6 +621,20 @@ def test_e2_sends_a_long_decode_to_the_holder_whose_prefills_are_due_late() -> N
     both = FakeView([lane, replace(late, prefill_slo_rate=2.0), spare], matched=view.matched)
     assert make_policy("e2").choose(ctx(slo=slo), both, 0.0).engine_id in ("lane", "late")
     assert estimate(spare, ctx(slo=slo), 0, both, 0.0, {}).decode_delay_ms == 0.0
+    # a first token due between the two holders' expected ones: the lane is not bought with
+    # the request's own SLO (every engine holding a shared prefix is a holder, and the lane
+    # rule had sent requests from an engine expected in time to one expected late)
+    # (both prefilling 90% of their time lately)
+    busy = {"rate_per_s": 2.0, "prefill_rate": 900.0}
+    lane, late = replace(lane, **busy), replace(late, **busy, prefill_slo_rate=900.0 / 8_000.0)
+    view = FakeView([lane, late], matched={"lane": KEY_LEN, "late": KEY_LEN})
+    ttft = {e.engine_id: estimate(e, ctx(), KEY_LEN, view, 0.0, {}).ttft_ms for e in (lane, late)}
+    tight = Slo(ttft_ms=(ttft["lane"] + ttft["late"]) / 2, tpot_ms=100.0)
+    est = {e.engine_id: estimate(e, ctx(slo=tight), KEY_LEN, view, 0.0, {}) for e in (lane, late)}
+    assert est["lane"].ttft_ms < tight.ttft_ms < est["late"].ttft_ms
+    # (the delay there outweighs the lane's lead: only the expected miss keeps it)
+    assert est["lane"].decode_delay_ms > 3 * tight.ttft_ms > 3 * est["late"].decode_delay_ms
+    assert make_policy("e2").choose(ctx(slo=tight), view, 0.0).engine_id == "lane"
 
 
 def test_e2_leaves_a_busy_engine_whose_queue_will_be_overtaken() -> None:
