@@ -185,9 +185,10 @@ class E2Config:
     # for its speed first
     # (off: the least outstanding work first)
     spread_by_traffic: bool = True
-    # of the engines holding as much of the key as the one chosen, the cheapest counting the
-    # delay its decode adds to each one's prefills, priced as their misses (off: the cost alone;
-    # held-out hot_prompt lost up to 7 points, its agent prompt's decodes on every engine)
+    # of the engines holding as much of the key as the one chosen (those expected to meet its
+    # TTFT SLO, where one in the band is), the cheapest counting the delay its decode adds to
+    # each one's prefills, priced as their misses (off: the cost alone; held-out hot_prompt
+    # lost up to 7 points, its agent prompt's decodes on every engine)
     decode_delay: bool = True
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
     # an engine where the request cannot meet its TTFT SLO (even with nothing overtaking it) is
