@@ -66,8 +66,11 @@ gets a second copy exactly then).
   request's SLO). Where a long-context prefix is held everywhere (an agent prompt), its
   requests gather on the engines whose prefills are due late and leave the others to the
   requests due soon; the holder-or-not question stays the cost's (weighed in the cost itself,
-  it sent long documents off their holders: docs/router.md, *Fifty-eighth session*). Where a
-  holder in the band is expected to meet the request's TTFT SLO, only such holders are
+  it sent long documents off their holders: docs/router.md, *Fifty-eighth session*). Only
+  where the holders hold at least half of the key: a request that prefills most of its prompt
+  wherever it goes is no long-context prefix's, and holding its opening (a trace's common
+  first blocks, on every engine) made the whole fleet its holders (*Sixtieth session*). Where
+  a holder in the band is expected to meet the request's TTFT SLO, only such holders are
   weighed: the lane is not bought with the request's own expected miss (*Fifty-ninth
   session*).
 * SLO: an engine that cannot decode the request within its TPOT SLO is skipped (on an
@@ -185,8 +188,9 @@ class E2Config:
     # for its speed first
     # (off: the least outstanding work first)
     spread_by_traffic: bool = True
-    # of the engines holding as much of the key as the one chosen (those expected to meet its
-    # TTFT SLO, where one in the band is), the cheapest counting the delay its decode adds to
+    # where the holders hold at least half of the key, of the engines holding as much of it as
+    # the one chosen (those expected to meet its TTFT SLO, where one in the band is), the
+    # cheapest counting the delay its decode adds to
     # each one's prefills, priced as their misses (off: the cost alone; held-out hot_prompt
     # lost up to 7 points, its agent prompt's decodes on every engine)
     decode_delay: bool = True
@@ -361,7 +365,7 @@ class E2(PolicyBase):
         holders = _most_held(finalists, _credited)
         most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
-        if cfg.decode_delay and most > 0:
+        if cfg.decode_delay and most * 2 >= ctx.key_len > 0:  # (mostly held: a lane's key)
             holders = self._least_delay(pool, most, holders, slo_ms)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):

@@ -621,6 +621,16 @@ def test_e2_sends_a_long_decode_to_the_holder_whose_prefills_are_due_late() -> N
     both = FakeView([lane, replace(late, prefill_slo_rate=2.0), spare], matched=view.matched)
     assert make_policy("e2").choose(ctx(slo=slo), both, 0.0).engine_id in ("lane", "late")
     assert estimate(spare, ctx(slo=slo), 0, both, 0.0, {}).decode_delay_ms == 0.0
+    # holders of a short opening only (2k of the prompt's 10k tokens, as every engine holds a
+    # trace's common first blocks): no lane, the cost decides (the request prefills most of
+    # its prompt wherever it goes; ``busier``'s 1,000 tokens queued put it out of the
+    # cheapest's band, where only the lane rule would reach it)
+    busier = replace(ev("late", hb=_hb(queued=1_000)), prefill_slo_rate=500.0 / 8_000.0, **common)
+    whole = FakeView([lane, busier], matched={"lane": KEY_LEN, "late": KEY_LEN})
+    assert make_policy("e2").choose(ctx(slo=slo), whole, 0.0).engine_id == "late"
+    short = FakeView([lane, busier], matched={"lane": 8_192, "late": 8_192})
+    assert KEY_LEN > 2 * 8_192
+    assert make_policy("e2").choose(ctx(slo=slo), short, 0.0).engine_id == "lane"
     # a first token due between the two holders' expected ones: the lane is not bought with
     # the request's own SLO (every engine holding a shared prefix is a holder, and the lane
     # rule had sent requests from an engine expected in time to one expected late)
