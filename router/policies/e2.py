@@ -190,9 +190,9 @@ class E2Config:
     spread_by_traffic: bool = True
     # where the holders hold at least half of the key, of the engines holding as much of it as
     # the one chosen (those expected to meet its TTFT SLO, where one in the band is), the
-    # cheapest counting the delay its decode adds to
-    # each one's prefills, priced as their misses (off: the cost alone; held-out hot_prompt
-    # lost up to 7 points, its agent prompt's decodes on every engine)
+    # cheapest counting the delay its decode adds to each one's prefills, priced as their
+    # misses (off: the cost alone; held-out hot_prompt lost up to 7 points, its agent
+    # prompt's decodes on every engine)
     decode_delay: bool = True
     work_weight: float = 1.0  # x the request's own prefill GPU time (what it delays others by)
     # an engine where the request cannot meet its TTFT SLO (even with nothing overtaking it) is
@@ -358,14 +358,14 @@ class E2(PolicyBase):
             if spare is not None:
                 return decide(self.name, "replicate", spare, view)
         reason: Reason = "explore"
-        if cfg.pd_balance and ctx.key_len and finalists[0].matched * 2 < ctx.key_len:
+        if cfg.pd_balance and ctx.key_len and not _mostly_held(finalists[0].matched, ctx.key_len):
             heavy = [s for s in finalists if s.ev.hit_ratio >= cfg.pd_hit_ratio]
             if heavy and len(heavy) < len(finalists):
                 finalists, reason = heavy, "pd_balance"
         holders = _most_held(finalists, _credited)
         most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
-        if cfg.decode_delay and most * 2 >= ctx.key_len > 0:  # (mostly held: a lane's key)
+        if cfg.decode_delay and _mostly_held(most, ctx.key_len):
             holders = self._least_delay(pool, most, holders, slo_ms)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
@@ -938,6 +938,13 @@ def _most_held(pool: list[_Scored], held: Callable[[_Scored], int]) -> list[_Sco
     if most <= 0:
         return pool
     return [s for s in pool if held(s) == most]
+
+
+def _mostly_held(held: int, key_len: int) -> bool:
+    """Whether ``held`` bytes are at least half of a ``key_len``-byte key: the request prefills
+    less than half of its prompt there (P/D balance's mostly cached request; the holder's lane's
+    long-context prefix, not a trace's common opening)."""
+    return key_len > 0 and held * 2 >= key_len
 
 
 def _credited(s: _Scored) -> int:
