@@ -323,6 +323,21 @@ class View:
         out.sort()
         return out
 
+    def pins(self, ev: EngineView, group: int) -> bool:
+        """Whether a request of ``group`` is in flight on ``ev``: holding memory there
+        (``_Engine.held_prefixes``) or queued there."""
+        eng = self._cluster.engines.get(ev.engine_id)
+        if eng is None:
+            return False
+        if group in eng.held_prefixes:
+            return True
+        inflight = self._cluster._inflight
+        for request_id in eng.open_prefill:
+            rec = inflight.get(request_id)
+            if rec is not None and rec.group == group:
+                return True
+        return False
+
     def tpot_pushed(
         self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
     ) -> int:

@@ -369,6 +369,12 @@ class ClusterView(Protocol):
         holds now)``, soonest first (None: ``ev`` does not report its requests' starts)."""
         ...
 
+    def pins(self, ev: EngineView, group: int) -> bool:
+        """Whether a request of prefix group ``group`` is in flight on ``ev``: one holding KV
+        memory there pins the group's cached prefix, and one queued there computes it again, if
+        it was evicted, before a request queued after it starts."""
+        ...
+
     def tpot_pushed(
         self, ev: EngineView, now: float, start_ms: float, stall_ms: float, tpot_ms: float
     ) -> int:

@@ -154,6 +154,7 @@ from router.policies.feasibility import (
     TPOT_MISS_RETRY_MS,
     Estimate,
     estimate,
+    mostly_cached,
     prefill_busy,
     rate_decay,
     recent_rate,
@@ -358,14 +359,14 @@ class E2(PolicyBase):
             if spare is not None:
                 return decide(self.name, "replicate", spare, view)
         reason: Reason = "explore"
-        if cfg.pd_balance and ctx.key_len and not _mostly_held(finalists[0].matched, ctx.key_len):
+        if cfg.pd_balance and ctx.key_len and not mostly_cached(finalists[0].matched, ctx.key_len):
             heavy = [s for s in finalists if s.ev.hit_ratio >= cfg.pd_hit_ratio]
             if heavy and len(heavy) < len(finalists):
                 finalists, reason = heavy, "pd_balance"
         holders = _most_held(finalists, _credited)
         most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
-        if cfg.decode_delay and _mostly_held(most, ctx.key_len):
+        if cfg.decode_delay and mostly_cached(most, ctx.key_len):
             holders = self._least_delay(pool, most, holders, slo_ms)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
@@ -938,13 +939,6 @@ def _most_held(pool: list[_Scored], held: Callable[[_Scored], int]) -> list[_Sco
     if most <= 0:
         return pool
     return [s for s in pool if held(s) == most]
-
-
-def _mostly_held(held: int, key_len: int) -> bool:
-    """Whether ``held`` bytes are at least half of a ``key_len``-byte key: the request prefills
-    less than half of its prompt there (P/D balance's mostly cached request; the holder's lane's
-    long-context prefix, not a trace's common opening)."""
-    return key_len > 0 and held * 2 >= key_len
 
 
 def _credited(s: _Scored) -> int:

@@ -395,6 +395,8 @@ def estimate(
         # the routed part is cached for it if a request there computes it first
         ahead = view.routed_ahead(ev, req.key, deadline, confirmed)
         matched = confirmed if ahead <= confirmed else min(ahead, matched)
+    if matched and not cached_at_start(ev, view, now, matched, ctx, deadline):
+        matched = routed = 0
     own = prefill_cost_ms(ev, ctx.key_len, matched, cache)
     # prefilling the routed prefix itself, it spares the open request it overtakes there that
     # prefill (the engine prefills a shared prefix once): the work it adds is what that leaves
@@ -570,6 +572,51 @@ def kv_wait_ms(
         if freed >= short:
             return at_ms
     return releases[-1][0] if releases else 0.0
+
+
+def mostly_cached(matched: int, key_len: int) -> bool:
+    """Whether ``matched`` bytes are at least half of a ``key_len``-byte key: the request
+    prefills less than half of its prompt there (a tool prompt, a document, a conversation's
+    history; not a system prompt or a trace's common opening). P/D balance's mostly cached
+    request, the holder's lane's prefix and the prefixes whose eviction the cost foresees."""
+    return key_len > 0 and matched * 2 >= key_len
+
+
+def cached_at_start(
+    ev: EngineView,
+    view: ClusterView,
+    now: float,
+    matched: int,
+    ctx: RequestContext,
+    deadline: float,
+) -> int:
+    """How much of the ``matched`` bytes of ``ctx``'s key cached on ``ev`` is still cached
+    when the request starts there (due at ``deadline``): none where its prefix is most of its
+    prompt (:func:`mostly_cached`), no request of its prefix group is in flight there (to pin
+    the prefix, or to compute it again before it), and the memory the requests there hold and
+    the ones queued ahead of it take (:meth:`ClusterView.kv_releases`) leave no room for the
+    prefix beside them: an engine short of memory evicts the cached blocks no request pins
+    before a request waits for memory. The router counts a cached prefix from the engine's
+    last block events; credited whole, a tool prompt's readers on `vllm-cpu-tiny` engines
+    (2,048 tokens of KV) were sent to its holder, where 13 of 20 of those refused while
+    waiting for memory found fewer than 20 of its 46 to 53 blocks cached (docs/router.md,
+    *Sixtieth session*). A prefix that is a small part of its prompts (a system prompt) is
+    left credited: the request prefills most of its prompt wherever it goes, and dropping the
+    credit only where no request of the group is in flight drew the group to the engines
+    where it is (qwen_mix's image requests on four `vllm-cpu-tiny` engines, -2.4 points at
+    twice the knee; docs/router.md, *Sixty-first session*)."""
+    if not mostly_cached(matched, ctx.key_len):
+        return matched
+    room = ev.kv_tokens()
+    held = ev.held_kv_tokens
+    cached = ev.profile.cached_tokens_for_bytes(matched)
+    if held + cached + 2.0 * ev.open_ctx_tokens <= room or view.pins(ev, ctx.group):
+        return matched
+    releases = view.kv_releases(ev, now, deadline)
+    if releases is None:
+        return matched
+    ahead = sum(tokens for _, tokens, held_now in releases if not held_now)
+    return 0 if held + ahead + cached > room else matched
 
 
 def kv_harm_ms(ev: EngineView, need: float, hold_ms: float) -> float:

@@ -970,6 +970,31 @@ def test_kv_memory_held_by_readers_of_one_cached_document_counts_it_once() -> No
     assert not eng.held_prefixes
 
 
+def test_a_prefix_group_is_pinned_on_an_engine_while_a_request_of_it_is_in_flight_there() -> None:
+    """The view says whether a request of a prefix group is in flight on an engine, queued or
+    holding memory there (a queued one computes the prefix again before the requests queued
+    after it start; one holding memory pins it), and stops saying so once the last one ends:
+    the cost model credits a cached prefix on an engine short of memory only then."""
+    f = Fleet(n=2)
+    cl = f.router.cluster
+    doc = bytes(range(256)) * 40
+    f.cache("e0", doc, 0.5)
+    f.route("r0", doc + b"question", 1.0, max_tokens=10)
+    group = cl._inflight["r0"].group
+    view, _ = _view(f, 1.0)
+    e0, e1 = (cl.engine_view(cl.engines[e]) for e in ("e0", "e1"))
+    assert cl._inflight["r0"].engine_id == "e0"
+    assert view.pins(e0, group)  # queued there
+    assert not view.pins(e1, group)
+    assert not view.pins(e0, group + 1)
+    f.send("e0", FirstToken("r0", 100.0), 1.5)
+    view, _ = _view(f, 1.5)
+    assert view.pins(e0, group)  # decoding: it holds the prefix
+    f.send("e0", RequestFinished("r0", 10, 100.0, 20.0), 2.0)
+    view, _ = _view(f, 2.0)
+    assert not view.pins(e0, group)
+
+
 def test_kv_memory_frees_as_its_holders_finish_and_the_requests_ahead_take_theirs_first() -> None:
     """What a request waits for KV memory behind: each reader of a cached document frees its
     own context when its output ends, the document's blocks only with its last reader (freed

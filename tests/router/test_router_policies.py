@@ -21,6 +21,7 @@ from router.api import RouteRequest
 from router.policies.base import EngineView, GroupLoad, RequestContext, top_matched
 from router.policies.feasibility import (
     batch_capacity,
+    cached_at_start,
     decode_step_ms,
     estimate,
     kv_harm_ms,
@@ -95,6 +96,7 @@ class FakeView:
     asked: list[float] = field(default_factory=list)  # the SLOs share_due_sooner was asked
     # routed_ahead's answer: key bytes a request in flight there computes first (default none)
     ahead: dict[str, int] = field(default_factory=dict)
+    pinned: set[tuple[str, int]] = field(default_factory=set)  # pins' (engine, group) answers
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
@@ -169,6 +171,9 @@ class FakeView:
 
     def eviction_ms(self, engine_id: str, need_bytes: int, now: float) -> float:
         return self.evictions.get(engine_id, 0.0)
+
+    def pins(self, ev: EngineView, group: int) -> bool:
+        return (ev.engine_id, group) in self.pinned
 
     def override(self, group: int) -> str | None:
         return self.overrides.get(group)
@@ -1310,6 +1315,46 @@ def test_the_kv_memory_a_request_holds_is_dear_where_memory_binds() -> None:
         > 2 * estimate(spare_ev, c, 0, view, 0.0, {}).decode_harm
     )
     assert make_policy("e2").choose(c, view, 0.0).engine_id == "spare"
+
+
+def test_a_cached_prefix_no_request_pins_is_not_credited_where_the_memory_ahead_evicts_it() -> None:
+    """An engine short of KV memory evicts the cached blocks no request pins before a request
+    waits for memory: where the memory held there and the requests queued ahead of this one
+    leave no room beside its cached prefix, the prefix is most of its prompt, and no request
+    of its prefix group is in flight there, the router counts the prefix as prefilled again
+    (its credit came from the last block events, not from what will be cached when the
+    request starts), and e2 sends the request where it costs less to compute."""
+    cap = PROFILE.kv_blocks * PROFILE.block_tokens
+    key_len, cached = 4 * 30_000, 20_000
+    full = ev("h", inflight=4, open_ctx=cap / 8, decoding=4, decode_ctx=cap / 8,
+              held_kv=cap - 25_000)  # fmt: skip
+    spare = ev("f", inflight=4, open_ctx=cap / 8, decoding=4, decode_ctx=cap / 8,
+               held_kv=cap / 4)  # fmt: skip
+    view = FakeView([full, spare], releases={"h": 50.0, "f": 50.0}, queued_kv={"h": 10_000.0})
+    c = ctx(key_len=key_len)
+    # 25,000 tokens free, 10,000 taken by the queue ahead: no room for its 20,000
+    assert cached_at_start(full, view, 0.0, 4 * cached, c, 1.0) == 0
+    est = estimate(full, c, 4 * cached, view, 0.0, {})
+    assert est.credited == 0
+    assert est.own_ms == pytest.approx(p_ms(0, key_len))
+    view.matched = {"h": 4 * cached}
+    assert make_policy("e2").choose(c, view, 0.0).engine_id == "f"
+    # a request of its group in flight there: the engine keeps the prefix
+    view.pinned.add(("h", c.group))
+    assert cached_at_start(full, view, 0.0, 4 * cached, c, 1.0) == 4 * cached
+    assert estimate(full, c, 4 * cached, view, 0.0, {}).own_ms == pytest.approx(
+        p_ms(4 * cached, key_len)
+    )
+    view.pinned.clear()
+    # a prefix that is a small part of the prompt (a system prompt) stays credited
+    long = ctx(key_len=3 * 4 * cached)
+    assert cached_at_start(full, view, 0.0, 4 * cached, long, 1.0) == 4 * cached
+    # nothing queued ahead: room beside the memory held, the prefix stays
+    view.queued_kv.clear()
+    assert cached_at_start(full, view, 0.0, 4 * cached, c, 1.0) == 4 * cached
+    # on an engine with memory to spare, it always does
+    view.queued_kv["f"] = 10_000.0
+    assert cached_at_start(spare, view, 0.0, 4 * cached, c, 1.0) == 4 * cached
 
 
 def test_a_request_waits_for_the_kv_memory_the_requests_decoding_hold() -> None:
