@@ -23,7 +23,9 @@ includes every arrival-triggered preemption and every prefill completion.
   priority cuts it at the next operator boundary; the paused batch keeps its progress and
   resumes from there when it is again the best unit.
 * Chunked prefill: prompts longer than ``chunk_tokens`` prefill one chunk at a time, each chunk
-  its own unit (a chunk after the first sees the earlier ones as context).
+  its own unit (a chunk after the first sees the earlier ones as context); a unit takes fewer
+  tokens where one of its operators would not fit beside the admitted batch's decode step
+  (:meth:`SloPolicy._chunk_cap`).
 * A shared prefix is prefilled once: a waiting request whose next key blocks an admitted request
   is prefilling (``SchedView.pending_prefix``) is neither started, nor batched with it, nor let
   preempt it while it can still make its deadline; it starts once they are stored and finds
@@ -66,6 +68,7 @@ from engine.scheduler.state import Phase, PrefillUnit, ReqState, SchedulerConfig
 from kvgate.cost_model import prefill_share
 
 Key = tuple[int, float, int]
+MIN_CHUNK_TOKENS = 256  # a prefill unit takes at least this many tokens (or its whole prompt)
 
 
 class SloPolicy:
@@ -257,15 +260,40 @@ class SloPolicy:
 
     # ------------------------------------------------------------------ prefill
 
-    def _choose_unit(self, view: SchedView, now: float) -> PrefillUnit | None:
+    def _chunk_cap(self, view: SchedView) -> int:
+        """The most new tokens a prefill unit started now may take: ``chunk_tokens``, cut so
+        that one of its operators fits beside the decode step of the admitted batch within the
+        step budget (``tpot_guard x T_min``), as Sarathi-Serve sizes its chunks. A step runs at
+        least one operator: on a profile whose decode is dear per token of context
+        (``vllm-cpu-small``) an 8K chunk's operator (55 ms) beside a batch of long contexts ran
+        steps past the TPOT SLO that VBS admission had granted every request decoding there."""
         cfg = view.config
+        tmin, inv_sum, ctx_sum, count = view.admitted_tpot_stats()
+        if tmin is None or count <= 0:
+            return cfg.chunk_tokens
+        decode_ms = view.profile.decode_step_ms(tmin * inv_sum, ctx_sum / count)
+        unit_ms = (cfg.tpot_guard * tmin - decode_ms) * 2 * cfg.layers
+        if view.predict(cfg.chunk_tokens) <= unit_ms:
+            return cfg.chunk_tokens
+        lo, hi = MIN_CHUNK_TOKENS, cfg.chunk_tokens  # the largest n whose unit fits, by halving
+        if view.predict(lo) > unit_ms:
+            return min(lo, cfg.chunk_tokens)
+        while hi - lo > MIN_CHUNK_TOKENS:
+            mid = (lo + hi) // 2
+            if view.predict(mid) <= unit_ms:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _choose_unit(self, view: SchedView, now: float) -> PrefillUnit | None:
         stretch = self._stretch(view)
         best_unit: PrefillUnit | None = None
         best_unit_key: Key = (3, 0.0, 0)
         for st in view.prefilling:
             unit = st.unit
             if unit is None:  # between chunks: its next chunk becomes a unit of its own
-                n = min(st.remaining_prefill, cfg.chunk_tokens)
+                n = min(st.remaining_prefill, self._chunk_cap(view))
                 unit = view.make_unit([(st, n)], preemptible=True)
             key = self._unit_key(view, unit, now, stretch)
             if key < best_unit_key:
@@ -289,17 +317,19 @@ class SloPolicy:
         cfg = view.config
         if not view.admit(head, now):  # _startable said it fits; nothing changed since
             raise RuntimeError(f"request {head.request_id} was admissible but admit failed")
-        first = min(head.prefill_tokens, cfg.chunk_tokens)
+        cap = self._chunk_cap(view)
+        first = min(head.prefill_tokens, cap)
         pieces = [(head, first)]
         total = first
+        budget = min(cfg.token_budget, cap)
         time_left_ms = (head.deadline - now) * 1000.0
         reserve_ms = cfg.min_slack_frac * head.req.slo.ttft_ms
-        if total <= cfg.token_budget and time_left_ms - view.predict(total) * stretch >= reserve_ms:
+        if total <= budget and time_left_ms - view.predict(total) * stretch >= reserve_ms:
             for st in rest:
-                if st.phase is not Phase.WAITING or st.prefill_tokens > cfg.chunk_tokens:
+                if st.phase is not Phase.WAITING or st.prefill_tokens > cap:
                     continue
                 n = total + st.prefill_tokens
-                if n > cfg.token_budget or time_left_ms - view.predict(n) * stretch < reserve_ms:
+                if n > budget or time_left_ms - view.predict(n) * stretch < reserve_ms:
                     continue
                 if view.pending_prefix(st):
                     continue  # (the batch, or a request before it, prefills its prefix)

@@ -298,3 +298,35 @@ def test_slack_counts_the_gpu_share_the_decode_batch_takes() -> None:
     ft = first_token_times(run_until(c, 5.0))
     assert ft["H"] - 0.02 <= 1.0
     assert ft["S"] > ft["H"] + 0.3  # not batched with H
+
+
+def test_a_long_prompt_is_cut_into_chunks_whose_operator_fits_beside_the_decode_step() -> None:
+    # D decodes in 71 ms steps with a 100 ms TPOT SLO: a step may run 90 ms, so 19 ms of
+    # prefill fits beside the batch (18 ms once P joins the ledger). An 8K chunk runs as 64
+    # operators of 125 ms: one of them per step took every step past D's TPOT SLO. The chunks
+    # are cut so that an operator fits, and P is still served.
+    c = core(profile=linear_profile(decode_d=70.0))
+    c.submit(req("D", 10, tpot_ms=100, out=50), 0.0)
+    run_until(c, 0.011)
+    c.submit(req("P", 8000, at=0.02), 0.02)
+    outs = run_until(c, 60.0)
+    d = next(o for o in outs if o.request_id == "D" and o.usage)
+    assert d.usage.completion_tokens == 50
+    assert d.usage.tpot_ms <= 90.0 + 1e-6
+    assert "P" in first_token_times(outs)
+
+
+def test_chunks_keep_their_full_size_when_the_decode_step_leaves_room() -> None:
+    c = core(chunk_tokens=1000, profile=linear_profile(decode_d=10.0))
+    c.submit(req("D", 10, tpot_ms=100, out=1000), 0.0)
+    run_until(c, 0.011)
+    c.submit(req("L", 2500, at=0.02), 0.02)
+    units = []
+    for _ in range(100):  # event by event until L's first chunk is running
+        t = c.next_event_time()
+        assert t is not None
+        c.advance(t)
+        units = [st.unit for st in c.prefilling if st.unit is not None]
+        if units:
+            break
+    assert units and units[0].tokens == 1000  # 1000 ms in 64 operators of 16 ms: within 90 - 11
