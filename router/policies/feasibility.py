@@ -21,9 +21,7 @@ fitted speed (``EngineView.prefill_scale`` / ``decode_scale``, :class:`kvgate.co
   prefills slowly: an engine with a short queue but a large decode batch is not a fast choice;
 * ``admit``: if SCORPIO's VBS admission would hold the request back (one more request would push
   the decode step past its TPOT SLO, ``EstTPOT(VBS + 1, L) x 1.3 >= 0.99 x TPOT``), the time
-  until a decoding request finishes and frees room, the line for a place being the requests
-  in flight there but those due later (S-EDF starts them after it, and the engine admits a
-  request when its prefill starts); and where the requests holding KV memory
+  until a decoding request finishes and frees room; and where the requests holding KV memory
   there (from their prefill's start), and those queued ahead of it, hold so much that this
   one's whole context does not fit beside them, the time until enough of it is freed
   (:func:`kv_wait_ms`); the memory it holds while it decodes is part of its harm to others
@@ -451,18 +449,10 @@ def estimate(
     t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
     capacity = decode_capacity(ev, mine, t_min)
     batch = virtual_batch(ev, t_min)
-    # the line for a place in the virtual batch: the requests in flight there but those due
-    # later (``behind``), which S-EDF runs after it. Counted in line, the agent prompts queued
-    # on every engine of held-out hot_prompt had the router predict its short requests 20-70 s
-    # of admission wait where the engine started them within their SLO (docs/router.md,
-    # *Sixty-third session*); a due-later prefill already started is left out too (counting
-    # it in line measured worse there)
-    line = max(ev.inflight - behind, 0)
-    if line < ev.inflight:
-        batch *= line / ev.inflight
     if fits_alone and not fifo:
-        # (an arrival-order engine has no VBS admission: it starts what its KV memory holds)
-        admit = _vbs_wait_ms(ev, view, now, batch, line, capacity, t_min, slo.tpot_ms)
+        # every request in flight there holds or awaits a place in the virtual batch (an
+        # arrival-order engine has no VBS admission: it starts what its KV memory holds)
+        admit = _vbs_wait_ms(ev, view, now, batch, ev.inflight, capacity, t_min, slo.tpot_ms)
     # waiting for a place, it will hold one for its output's decode (max_tokens steps): of
     # ``capacity`` places one frees every decode time / capacity, the delay it adds to the line
     place = req.max_tokens * step / capacity if admit > 0.0 and capacity > 0 else 0.0

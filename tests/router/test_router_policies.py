@@ -738,41 +738,6 @@ def test_e2_waits_for_vbs_admission_on_a_full_decoder() -> None:
     assert waited - {c.engine_id: c for c in d.candidates}["a"].load_ms == pytest.approx(2990.0)
 
 
-@dataclass
-class _LaterQueued(FakeView):
-    """Of each engine's requests in flight, ``later`` are queued and due after the request
-    asked about (``prefill_queue``'s ``behind``)."""
-
-    later: int = 0
-
-    def prefill_queue(
-        self, ev: EngineView, deadline: float, share: float = 1.0
-    ) -> tuple[float, int, float]:
-        ahead = self.prefill_ahead_ms(ev, deadline)
-        return ahead, self.later, ahead
-
-
-def test_requests_due_later_do_not_stand_in_line_for_a_decode_place() -> None:
-    """S-EDF starts a request before the ones due after it, and the engine admits a request to
-    its decode batch when its prefill starts: those are not in line for a place ahead of it.
-    Counted in line, held-out hot_prompt's short requests were predicted 20-70 s of admission
-    wait behind agent prompts the engine started after them."""
-    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
-    full = ev("a", inflight=40, open_ctx=40 * 12_000.0, hb=_hb(vbs=40.0, running=40))
-    full = replace(full, rate_per_s=5.0)
-    c = ctx(slo=slo)
-    in_line = estimate(full, c, 0, _LaterQueued([full], releases={"a": 3000.0}), 0.0, {})
-    view = _LaterQueued([full], releases={"a": 3000.0}, later=30)
-    ahead_only = estimate(view.engines[0], c, 0, view, 0.0, {})
-    assert in_line.admit_ms >= 3000.0
-    # ten in line: the batch has a place for it (what is left is the step its slice follows)
-    assert ahead_only.admit_ms < 500.0
-    assert ahead_only.fill < in_line.fill
-    # no place to wait for: what it takes from others is its share of a fuller batch alone
-    assert ahead_only.decode_harm < in_line.decode_harm / 10
-    assert ahead_only.ttft_ms < in_line.ttft_ms - 2900.0
-
-
 def test_a_place_in_a_full_decode_batch_is_charged_to_the_requests_waiting_for_one() -> None:
     """Where requests wait for a place in the decode batch (SCORPIO's admission), the place a
     request takes delays every one that arrives before that line drains: the more requests the
