@@ -290,11 +290,13 @@ class SloPolicy:
         stretch = self._stretch(view)
         best_unit: PrefillUnit | None = None
         best_unit_key: Key = (3, 0.0, 0)
+        cap: int | None = None  # the same for every chunk made here (none is admitted here)
         for st in view.prefilling:
             unit = st.unit
             if unit is None:  # between chunks: its next chunk becomes a unit of its own
-                n = min(st.remaining_prefill, self._chunk_cap(view))
-                unit = view.make_unit([(st, n)], preemptible=True)
+                if cap is None:
+                    cap = self._chunk_cap(view)
+                unit = view.make_unit([(st, min(st.remaining_prefill, cap))], preemptible=True)
             key = self._unit_key(view, unit, now, stretch)
             if key < best_unit_key:
                 best_unit, best_unit_key = unit, key
