@@ -81,13 +81,20 @@ gets a second copy exactly then).
   nothing overtaking it: shedding is final. Where no engine of the tie band is expected to
   meet the SLO, on engines that refuse a late request while it waits (S-EDF;
   ``doomed_to_holder``), it goes among the engines holding the most of its key (cached or
-  routed there), the cheapest of them: lost where the cost would send it (an engine that
-  could serve it in time, if any, costs the others more), what is left to choose is where its
-  key is counted, and computed if it runs after all (by cost alone, an overloaded fleet's
-  doomed requests seeded their prefixes on whichever engine was cheapest, and the next
+  routed there) to the one where its first token could come soonest
+  (``Estimate.ttft_floor_ms``), and the holder's lane (below) is not weighed: refused while it
+  waits, it costs the others nothing wherever it goes, so what is left to choose is where its
+  key is counted and its best chance of running after all (an engine outside the band that
+  could serve it in time is then that chance, whatever it costs the others: the cost weighs
+  the request's miss at one SLO only where the band has an engine expected in time; by cost
+  alone, an overloaded
+  fleet's doomed requests seeded their prefixes on whichever engine was cheapest, and the next
   requests of a prefix followed them there; a conversation's late turn went to a cold engine
-  and prefilled its whole history there). An engine serving in arrival order runs such a
-  request ahead of the ones behind it, so there the cost decides.
+  and prefilled its whole history there. Among the holders by cost, the work term sent short
+  requests away from the engine taking most of them, whose expected TTFT counts the doomed
+  requests queued there, which never run: docs/router.md, *Sixty-fourth session*). An engine
+  serving in arrival order runs such a request ahead of the ones behind it, so there the cost
+  decides.
 * Big fleets: only ``contenders`` engines are scored (the top holders and the least loaded, the
   rest drawn at random), every engine before a shed; of those, an engine whose lower bound on
   ``C_i`` is past the band of the cheapest found is not estimated (``bound_skip``: the same
@@ -179,9 +186,9 @@ class E2Config:
     shed_expected: bool = False
     # a request that no engine of the tie band is expected to serve within its TTFT SLO, on
     # engines that refuse it while it waits (S-EDF), goes among the engines holding (or routed)
-    # the most of its key: lost where the cost would send it, it is where its key is counted
-    # and, if it runs after all, computed (off: the cheapest engine; docs/router.md,
-    # *Fifty-fifth session* and *Fifty-ninth session*)
+    # the most of its key to the one where its first token could come soonest: lost at no one's
+    # cost wherever it goes, it is where its key is counted and has its best chance (off: the
+    # cheapest engine; docs/router.md, *Fifty-fifth*, *Fifty-ninth* and *Sixty-fourth session*)
     doomed_to_holder: bool = True
     tie_rel: float = 0.05  # tie band: within tie_rel x C_min + tie_ms of the cheapest
     tie_ms: float = 5.0
@@ -344,12 +351,13 @@ class E2(PolicyBase):
         if not pool:  # (slo_filter off and no engine meets the TPOT SLO: cheapest anyway)
             pool = scored
         finalists = self._band(pool, ctx, view, now)
-        if cfg.doomed_to_holder and _doomed(finalists, slo_ms):
+        doomed = cfg.doomed_to_holder and _doomed(finalists, slo_ms)
+        if doomed:
             routed = view.matched
             held = _most_held(pool, lambda s: routed.get(s.ev.engine_id, 0))
             if len(held) < len(pool):
                 pool = held
-                finalists = self._band(pool, ctx, view, now)
+            finalists = self._soonest(pool)
         if cfg.rebalance:
             moved = self._rebalanced(ctx, view, finalists, now)
             if moved is not None:
@@ -366,7 +374,7 @@ class E2(PolicyBase):
         holders = _most_held(finalists, _credited)
         most = holders[0].matched
         tie_break = _Traffic(now, ctx.key_len) if cfg.spread_by_traffic else _Balance(now)
-        if cfg.decode_delay and mostly_cached(most, ctx.key_len):
+        if cfg.decode_delay and not doomed and mostly_cached(most, ctx.key_len):
             holders = self._least_delay(pool, most, holders, slo_ms)
         chosen = pick_min(holders, tie_break, view.rng).ev
         if reason == "explore" and most > 0 and most >= max(matched.values(), default=0):
@@ -537,6 +545,18 @@ class E2(PolicyBase):
                 best = s.cost
         limit = best + cfg.tie_rel * best + cfg.tie_ms
         return [s for s in costed if s.cost <= limit]
+
+    def _soonest(self, pool: list[_Scored]) -> list[_Scored]:
+        """The engines of ``pool`` within the tie band of the soonest their first token could
+        come (``Estimate.ttft_floor_ms``: nothing overtaking it, of the work ahead only what can
+        still start in time). For a request expected late everywhere, its best chance: the
+        expected TTFT counts the doomed requests queued ahead, which the engine refuses before
+        they run; on the engine taking a burst of short requests, short requests predicted late
+        there met their SLO seven times in ten (docs/router.md, *Sixty-fourth session*)."""
+        cfg = self.config
+        best = min(_soonest(s) for s in pool)
+        limit = best + cfg.tie_rel * best + cfg.tie_ms
+        return [s for s in pool if _soonest(s) <= limit]
 
     def _least_delay(
         self, pool: list[_Scored], most: int, holders: list[_Scored], slo_ms: float

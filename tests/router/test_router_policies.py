@@ -97,6 +97,7 @@ class FakeView:
     # routed_ahead's answer: key bytes a request in flight there computes first (default none)
     ahead: dict[str, int] = field(default_factory=dict)
     pinned: set[tuple[str, int]] = field(default_factory=set)  # pins' (engine, group) answers
+    behind: dict[str, int] = field(default_factory=dict)  # prefill_queue's requests due later
 
     def engine(self, engine_id: str) -> EngineView | None:
         return next((e for e in self.engines if e.engine_id == engine_id), None)
@@ -141,7 +142,7 @@ class FakeView:
         self, ev: EngineView, deadline: float, share: float = 1.0
     ) -> tuple[float, int, float]:
         ahead = self.prefill_ahead_ms(ev, deadline)
-        return ahead, 0, ahead
+        return ahead, self.behind.get(ev.engine_id, 0), ahead
 
     def share_due_sooner(self, ttft_slo_ms: float) -> float:
         self.asked.append(ttft_slo_ms)
@@ -469,11 +470,18 @@ def test_e2_prices_a_miss_at_one_slo() -> None:
         engines = [ev("a", hb=_hb(queued=12_000)), ev("b", free=0, hb=_hb(queued=4_000))]
         return FakeView(engines, evictions={"b": evicts_ms})
 
-    no_miss = make_policy("e2", {"miss_penalty": 0.0})
+    # (the cost alone: where the tie band holds only engines expected late, the doomed
+    # request's rule decides, below)
+    by_cost = make_policy("e2", {"doomed_to_holder": False})
+    no_miss = make_policy("e2", {"miss_penalty": 0.0, "doomed_to_holder": False})
     assert no_miss.choose(ctx(slo=slo), view(2500.0), 0.0).engine_id == "a"  # the cheaper
+    assert by_cost.choose(ctx(slo=slo), view(2500.0), 0.0).engine_id == "b"
     assert make_policy("e2").choose(ctx(slo=slo), view(2500.0), 0.0).engine_id == "b"
     # a miss weighs one SLO, not more: evicting 5 s of others' prefills there costs more
-    assert make_policy("e2").choose(ctx(slo=slo), view(5000.0), 0.0).engine_id == "a"
+    assert by_cost.choose(ctx(slo=slo), view(5000.0), 0.0).engine_id == "a"
+    # ... but the cheapest is then a request lost: on S-EDF engines it goes where its first
+    # token could come soonest, its best chance (docs/router.md, *Sixty-fourth session*)
+    assert make_policy("e2").choose(ctx(slo=slo), view(5000.0), 0.0).engine_id == "b"
     with pytest.raises(ValueError, match="miss_penalty"):
         make_policy("e2", {"miss_penalty": -1.0})
 
@@ -518,12 +526,38 @@ def test_e2_sends_a_request_no_engine_can_serve_in_time_to_the_holder_of_its_key
     assert d.engine_id == by_cost.choose(ctx(slo=slo), fifo, 0.0).engine_id == "b"
 
 
+def test_e2_sends_a_doomed_request_where_its_first_token_could_come_soonest() -> None:
+    """Expected past its TTFT SLO everywhere and its key held nowhere, on S-EDF engines (which
+    refuse it while it waits, at no one's cost), a request goes where its first token could come
+    soonest, its best chance, not to the engine whose cost is lowest: the work term there is
+    others' delay had it run, and a late request there does not run."""
+    slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
+    # a: ~2.7 s to its first token, quiet; b: ~2.2 s, but taking many requests (its work term is
+    # dear)
+    a = ev("a", hb=_hb(queued=12_000))
+    b = replace(ev("b", hb=_hb(queued=8_000)), rate_per_s=40.0, prefill_rate=500.0)
+    view = FakeView([a, b])
+    by_cost = make_policy("e2", {"doomed_to_holder": False})
+    d = by_cost.choose(ctx(slo=slo), view, 0.0)
+    assert d.engine_id == "a"
+    ttft = {c.engine_id: c.load_ms + c.prefill_ms for c in d.candidates}
+    assert slo.ttft_ms < ttft["b"] < ttft["a"]
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "b"
+    # where b could meet it, the cost decides as ever
+    view = FakeView([a, replace(b, heartbeat=_hb(queued=1_000))])
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "b"
+
+
 def test_e2_slo_filter_sheds_only_far_beyond_the_slo() -> None:
     slo = Slo(ttft_ms=2000.0, tpot_ms=100.0)
     # b meets the SLO but would evict a lot; a is cheaper in TTFT + M but misses the SLO
     engines = [ev("a", hb=_hb(queued=12_000)), ev("b", free=0, hb=_hb(queued=4_000))]
     view = FakeView(engines, evictions={"b": 5000.0})
-    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "a"  # the cheapest
+    by_cost = make_policy("e2", {"doomed_to_holder": False})
+    assert by_cost.choose(ctx(slo=slo), view, 0.0).engine_id == "a"  # the cheapest
+    # (the tie band holds only a, expected late: the request goes where it could be served
+    # soonest)
+    assert make_policy("e2").choose(ctx(slo=slo), view, 0.0).engine_id == "b"
     feasible_first = make_policy("e2", {"prefer_feasible": True})
     assert feasible_first.choose(ctx(slo=slo), view, 0.0).engine_id == "b"
     # nobody meets it, but the best is within 1.5x the SLO: routed there, not shed
@@ -736,6 +770,30 @@ def test_e2_waits_for_vbs_admission_on_a_full_decoder() -> None:
     view.releases["a"] = 10.0  # a slot frees at once: no wait, but a full batch is congested
     d = make_policy("e2").choose(ctx(slo=slo), view, 0.0)
     assert waited - {c.engine_id: c for c in d.candidates}["a"].load_ms == pytest.approx(2990.0)
+
+
+def test_a_request_waits_for_a_decode_place_only_behind_the_requests_run_before_it() -> None:
+    """S-EDF admits a request due sooner before the ones queued due later, so its wait for a
+    place in the decode batch counts only the requests ahead of it; the place it then takes
+    delays the ones it overtook, which its cost still charges, and a short context beside long
+    ones takes a fraction of one of their places."""
+    slo = Slo(ttft_ms=60_000.0, tpot_ms=100.0)
+    full = replace(
+        ev("a", inflight=40, open_ctx=40 * 12_000.0, hb=_hb(vbs=40.0, running=40)),
+        rate_per_s=5.0,
+    )
+    line = FakeView([full], releases={"a": 3000.0})
+    waits = estimate(full, ctx(slo=slo), 0, line, 0.0, {})
+    assert waits.admit_ms >= 3000.0
+    # 30 of the 40 are queued due later: the 10 ahead of it leave it a place at once
+    first = FakeView([full], releases={"a": 3000.0}, behind={"a": 30})
+    jumps = estimate(full, ctx(slo=slo), 0, first, 0.0, {})
+    assert jumps.admit_ms < 1000.0
+    assert jumps.ttft_ms < waits.ttft_ms - 2000.0
+    # ... but its place delays the 30 it overtook, and the requests arriving while they wait
+    assert jumps.decode_harm == pytest.approx(waits.decode_harm)
+    short = estimate(full, ctx(key_len=400, slo=slo), 0, first, 0.0, {})
+    assert 0.0 < short.decode_harm < jumps.decode_harm / 5
 
 
 def test_a_place_in_a_full_decode_batch_is_charged_to_the_requests_waiting_for_one() -> None:
