@@ -332,6 +332,12 @@ class CostProfile:
             + self.decode_d
         )
 
+    def request_step_ms(self, context: float) -> float:
+        """One request's part of a decode step at ``context`` tokens (``decode_step_ms`` less
+        its fixed part, per request): what one more request adds to a step, and the size of
+        its place in a batch."""
+        return self.decode_a * context + self.decode_b
+
     def slowed(self, factor: float) -> CostProfile:
         """This profile with every prefill and decode time multiplied by ``factor`` (named
         ``NAME@xFACTOR``): the same engine type on hardware ``factor`` times slower."""

@@ -86,15 +86,14 @@ gets a second copy exactly then).
   waits, it costs the others nothing wherever it goes, so what is left to choose is where its
   key is counted and its best chance of running after all (an engine outside the band that
   could serve it in time is then that chance, whatever it costs the others: the cost weighs
-  the request's miss at one SLO only where the band has an engine expected in time; by cost
-  alone, an overloaded
-  fleet's doomed requests seeded their prefixes on whichever engine was cheapest, and the next
-  requests of a prefix followed them there; a conversation's late turn went to a cold engine
-  and prefilled its whole history there. Among the holders by cost, the work term sent short
-  requests away from the engine taking most of them, whose expected TTFT counts the doomed
-  requests queued there, which never run: docs/router.md, *Sixty-fourth session*). An engine
-  serving in arrival order runs such a request ahead of the ones behind it, so there the cost
-  decides.
+  the request's miss at one SLO only where the band has an engine expected in time). By cost
+  alone, an overloaded fleet's doomed requests seeded their prefixes on whichever engine was
+  cheapest, and the next requests of a prefix followed them there; a conversation's late turn
+  went to a cold engine and prefilled its whole history there; and among the holders, the
+  work term sent short requests away from the engine taking most of them, whose expected TTFT
+  counts the doomed requests queued there, which never run (docs/router.md, *Sixty-fourth
+  session*). An engine serving in arrival order runs such a request ahead of the ones behind
+  it, so there the cost decides.
 * Big fleets: only ``contenders`` engines are scored (the top holders and the least loaded, the
   rest drawn at random), every engine before a shed; of those, an engine whose lower bound on
   ``C_i`` is past the band of the cheapest found is not estimated (``bound_skip``: the same
@@ -357,7 +356,7 @@ class E2(PolicyBase):
             held = _most_held(pool, lambda s: routed.get(s.ev.engine_id, 0))
             if len(held) < len(pool):
                 pool = held
-            finalists = self._soonest(pool)
+            finalists = self._near_best(pool, _soonest)
         if cfg.rebalance:
             moved = self._rebalanced(ctx, view, finalists, now)
             if moved is not None:
@@ -546,17 +545,12 @@ class E2(PolicyBase):
         limit = best + cfg.tie_rel * best + cfg.tie_ms
         return [s for s in costed if s.cost <= limit]
 
-    def _soonest(self, pool: list[_Scored]) -> list[_Scored]:
-        """The engines of ``pool`` within the tie band of the soonest their first token could
-        come (``Estimate.ttft_floor_ms``: nothing overtaking it, of the work ahead only what can
-        still start in time). For a request expected late everywhere, its best chance: the
-        expected TTFT counts the doomed requests queued ahead, which the engine refuses before
-        they run; on the engine taking a burst of short requests, short requests predicted late
-        there met their SLO seven times in ten (docs/router.md, *Sixty-fourth session*)."""
+    def _near_best(self, pool: list[_Scored], key: Callable[[_Scored], float]) -> list[_Scored]:
+        """The engines of ``pool`` within the tie band of the lowest ``key``."""
         cfg = self.config
-        best = min(_soonest(s) for s in pool)
+        best = min(key(s) for s in pool)
         limit = best + cfg.tie_rel * best + cfg.tie_ms
-        return [s for s in pool if _soonest(s) <= limit]
+        return [s for s in pool if key(s) <= limit]
 
     def _least_delay(
         self, pool: list[_Scored], most: int, holders: list[_Scored], slo_ms: float
@@ -577,10 +571,7 @@ class E2(PolicyBase):
             top = [s for s in top if _expected(s) <= slo_ms]
         if len(top) < 2:
             return holders
-        cfg = self.config
-        best = min(_with_delay(s) for s in top)
-        limit = best + cfg.tie_rel * best + cfg.tie_ms
-        return [s for s in top if _with_delay(s) <= limit]
+        return self._near_best(top, _with_delay)
 
     def _rebalanced(
         self, ctx: RequestContext, view: ClusterView, finalists: list[_Scored], now: float
@@ -967,7 +958,12 @@ def _credited(s: _Scored) -> int:
 
 
 def _soonest(s: _Scored) -> float:
-    """The soonest its first token could come there (nothing overtaking it)."""
+    """The soonest its first token could come there (``Estimate.ttft_floor_ms``: nothing
+    overtaking it, of the work ahead only what can still start in time). A doomed request's
+    best chance: the expected TTFT counts the doomed requests queued ahead, which the engine
+    refuses before they run; on the engine taking a burst of short requests, short requests
+    predicted late there met their SLO seven times in ten (docs/router.md, *Sixty-fourth
+    session*)."""
     return s.est.ttft_floor_ms
 
 

@@ -263,19 +263,13 @@ def prefill_busy(ev: EngineView, decay: float, share: float = 1.0) -> float:
     return min(ev.prefill_rate * decay / 1000.0 / share, CONGESTED)
 
 
-def decode_capacity(ev: EngineView, ctx_tokens: float, tpot_ms: float) -> int:
-    """The virtual batch ``ev`` can decode within ``tpot_ms`` by SCORPIO's admission rule
-    (``EstTPOT(VBS, L) x 1.3 < 0.99 x TPOT``, at the engine's fitted decode speed): the largest
-    whole VBS strictly within it, in requests decoding every step (:func:`virtual_batch`), the
-    mean context ``L`` taken over its requests in flight and this one (``ctx_tokens``)."""
-    return batch_capacity(ev, (ev.open_ctx_tokens + ctx_tokens) / (ev.inflight + 1), tpot_ms)
-
-
 def batch_capacity(ev: EngineView, mean_ctx: float, tpot_ms: float) -> int:
-    """The largest whole virtual batch of requests of mean context ``mean_ctx`` that ``ev``
-    decodes within ``tpot_ms`` by SCORPIO's admission rule (see :func:`decode_capacity`)."""
+    """The virtual batch of requests of mean context ``mean_ctx`` (``L``) that ``ev`` can
+    decode within ``tpot_ms`` by SCORPIO's admission rule (``EstTPOT(VBS, L) x 1.3 < 0.99 x
+    TPOT``, at the engine's fitted decode speed): the largest whole VBS strictly within it, in
+    requests decoding every step (:func:`virtual_batch`)."""
     prof = ev.profile
-    per_request = prof.decode_a * mean_ctx + prof.decode_b
+    per_request = prof.request_step_ms(mean_ctx)
     room = TPOT_HEADROOM * tpot_ms / (TPOT_SAFETY * ev.decode_scale)
     room -= prof.decode_d + prof.decode_c * mean_ctx
     if not room > 0:
@@ -452,7 +446,9 @@ def estimate(
         tpot_ok = tpot < limit and not view.tpot_pushed(ev, now, queue / share, own, tpot)
     admit = 0.0
     t_min = min(slo.tpot_ms, step_budget_tpot_ms(ev))
-    capacity = decode_capacity(ev, mine, t_min)
+    # SCORPIO's capacity at the mean context of its requests in flight there and this one
+    mean_ctx = (ev.open_ctx_tokens + mine) / (ev.inflight + 1)
+    capacity = batch_capacity(ev, mean_ctx, t_min)
     batch = virtual_batch(ev, t_min)
     line_wait = 0.0  # the wait for a place behind every request in flight there
     if fits_alone and not fifo:
@@ -472,15 +468,14 @@ def estimate(
     # (a short context beside long ones takes a fraction of one of their places)
     place = 0.0
     if line_wait > 0.0 and capacity > 0:
-        mean_ctx = (ev.open_ctx_tokens + mine) / (ev.inflight + 1)
-        per = prof.decode_a * mean_ctx + prof.decode_b
-        size = (prof.decode_a * mine + prof.decode_b) / per if per > 0.0 else 1.0
+        per = prof.request_step_ms(mean_ctx)
+        size = prof.request_step_ms(mine) / per if per > 0.0 else 1.0
         place = req.max_tokens * step / capacity * size
     overtaken = line_wait - admit
     # its decode takes a place in the engine's decode batch for its output tokens, and a
     # share of every step: its GPU time there, made dearer as the batch fills up (an M/M/1-like
     # congestion factor of the batch's fill), for the requests that will need a place
-    decode_ms = req.max_tokens * (prof.decode_a * mine + prof.decode_b) * ev.decode_scale
+    decode_ms = req.max_tokens * prof.request_step_ms(mine) * ev.decode_scale
     fill = min(batch / capacity, CONGESTED) if capacity > 0 else CONGESTED
     harm = decode_ms * fill / (1.0 - fill)
     # a step runs its decode iteration before its prefill slice: the first slice waits for one
